@@ -1,0 +1,279 @@
+"""llama.cpp from a pinned source: fetch, build, locate.
+
+llama.cpp's source comes from the ``llama-cpp-python`` source distribution on PyPI (its
+``vendor/llama.cpp`` holds llama.cpp at a fixed commit), pinned by version and sha256 below.
+Builds live outside the repository, in ``$VOODOO_CACHE/llama.cpp/<commit>/`` (default
+``~/.cache/voodoo``)::
+
+    src/   the vendored llama.cpp tree
+    lib/   libggml-base.so (shared; what cython_ggml loads)
+    bin/   llama-quantize, llama-perplexity, llama-imatrix (static builds)
+
+Each of the three is built in a ``*.partial-<pid>`` folder and renamed into place only when
+complete, so an interrupted build never leaves a folder that looks finished.
+
+``VOODOO_GGML_LIB=/path/libggml-base.so`` and ``VOODOO_LLAMA_CPP=/path/to/build`` (a folder
+holding the tools, directly or in ``bin/``) point Voodoo at a llama.cpp of your own.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+#: llama-cpp-python release whose sdist carries the llama.cpp source Voodoo builds.
+LLAMA_CPP_PYTHON_VERSION = "0.3.36"
+#: sha256 of ``llama_cpp_python-0.3.36.tar.gz`` on PyPI.
+LLAMA_CPP_PYTHON_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
+#: llama.cpp commit vendored in that sdist (its CHANGELOG: "update llama.cpp to
+#: ggml-org/llama.cpp@0c1e57098").
+LLAMA_CPP_COMMIT = "0c1e57098"
+
+TOOLS = ("llama-quantize", "llama-perplexity", "llama-imatrix")
+
+
+class LlamaCppNotBuilt(RuntimeError):
+    """A llama.cpp artefact (library, tool or source) is missing."""
+
+
+def cache_root() -> Path:
+    """Voodoo's cache folder: ``$VOODOO_CACHE`` or ``~/.cache/voodoo``."""
+    return Path(os.path.expanduser(os.environ.get("VOODOO_CACHE", "~/.cache/voodoo")))
+
+
+def build_root(commit: str = LLAMA_CPP_COMMIT) -> Path:
+    """``<cache>/llama.cpp/<commit>``: everything built from that llama.cpp commit."""
+    return cache_root() / "llama.cpp" / commit
+
+
+def llama_cpp_commit() -> str:
+    """The llama.cpp commit in use: ``$VOODOO_LLAMA_CPP_COMMIT`` (for a user build) or the pin."""
+    return os.environ.get("VOODOO_LLAMA_CPP_COMMIT", LLAMA_CPP_COMMIT)
+
+
+def source_dir() -> Path:
+    """The llama.cpp source tree (``convert_hf_to_gguf.py`` lives there). Raises
+    LlamaCppNotBuilt when it has not been fetched."""
+    d = build_root() / "src"
+    if not (d / "convert_hf_to_gguf.py").is_file():
+        raise LlamaCppNotBuilt(f"llama.cpp source not found at {d}; run `voodoo bootstrap`")
+    return d
+
+
+def lib_path() -> Path:
+    """libggml-base.so: ``$VOODOO_GGML_LIB`` or the cached build. Raises LlamaCppNotBuilt."""
+    env = os.environ.get("VOODOO_GGML_LIB")
+    if env:
+        if not Path(env).is_file():
+            raise LlamaCppNotBuilt(f"VOODOO_GGML_LIB={env} does not exist")
+        return Path(env)
+    p = build_root() / "lib" / "libggml-base.so"
+    if not p.is_file():
+        raise LlamaCppNotBuilt(f"{p} not built; run `voodoo bootstrap --lib-only` (about 20 s)")
+    return p
+
+
+def tool_path(name: str) -> Path:
+    """Path of a llama.cpp tool (``llama-quantize``, ``llama-perplexity``, ``llama-imatrix``).
+
+    Looks in ``$VOODOO_LLAMA_CPP`` (or its ``bin/``) first, then in the cached build.
+    Raises LlamaCppNotBuilt saying how to build it."""
+    env = os.environ.get("VOODOO_LLAMA_CPP")
+    cands = []
+    if env:
+        cands += [Path(env) / name, Path(env) / "bin" / name]
+    cands.append(build_root() / "bin" / name)
+    for c in cands:
+        if c.is_file() and os.access(c, os.X_OK):
+            return c
+    raise LlamaCppNotBuilt(
+        f"{name} not found (looked in {', '.join(str(c.parent) for c in cands)}); run "
+        "`voodoo bootstrap` (about 15 min on 2 cores, once) or set VOODOO_LLAMA_CPP to a "
+        "llama.cpp build folder")
+
+
+def tools_status() -> dict[str, str | None]:
+    """{tool name: path or None}."""
+    out = {}
+    for t in TOOLS:
+        try:
+            out[t] = str(tool_path(t))
+        except LlamaCppNotBuilt:
+            out[t] = None
+    return out
+
+
+# ------------------------------------------------------------------------------- building
+def _log(msg: str) -> None:
+    print(f"[voodoo bootstrap] {msg}", file=sys.stderr, flush=True)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def fetch_source() -> Path:
+    """Downloads the pinned llama-cpp-python sdist with pip, checks its sha256 and unpacks
+    ``vendor/llama.cpp`` to ``<build_root>/src`` (atomically). Returns that folder.
+
+    Raises RuntimeError when pip fails or the checksum differs."""
+    dst = build_root() / "src"
+    if (dst / "convert_hf_to_gguf.py").is_file():
+        return dst
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    dl = cache_root() / "downloads"
+    dl.mkdir(parents=True, exist_ok=True)
+    sdist = dl / f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}.tar.gz"
+    if not sdist.is_file() or _sha256(sdist) != LLAMA_CPP_PYTHON_SHA256:
+        _log(f"downloading llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION} sdist with pip")
+        with tempfile.TemporaryDirectory(dir=dl) as tmp:
+            cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+                   "--progress-bar", "on", "-d", tmp,
+                   f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}"]
+            r = subprocess.run(cmd)
+            if r.returncode:
+                raise RuntimeError(f"pip download failed ({' '.join(cmd)}); check that PyPI "
+                                   "is reachable")
+            got = next(Path(tmp).glob("*.tar.gz"))
+            digest = _sha256(got)
+            if digest != LLAMA_CPP_PYTHON_SHA256:
+                raise RuntimeError(f"sha256 of {got.name} is {digest}, expected "
+                                   f"{LLAMA_CPP_PYTHON_SHA256}; refusing to build from it")
+            os.replace(got, sdist)
+    _log(f"unpacking vendor/llama.cpp ({LLAMA_CPP_COMMIT}) to {dst}")
+    tmp = Path(tempfile.mkdtemp(prefix="src.partial-", dir=dst.parent))
+    prefix = f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}/vendor/llama.cpp/"
+    with tarfile.open(sdist) as tf:
+        members = []
+        for m in tf.getmembers():
+            if m.name.startswith(prefix) and len(m.name) > len(prefix):
+                m.name = m.name[len(prefix):]
+                members.append(m)
+        tf.extractall(tmp, members=members, filter="data")
+    os.replace(tmp, dst)
+    return dst
+
+
+_PCT = re.compile(r"^\[\s*(\d+)%\]")
+
+
+def _cmake(args: list[str], desc: str, log: Path) -> None:
+    """Runs cmake, streaming its ``[ NN%]`` lines into a progress bar; full log in ``log``."""
+    try:
+        from tqdm import tqdm
+    except ImportError:  # pragma: no cover
+        tqdm = None
+    bar = tqdm(total=100, desc=desc, unit="%", file=sys.stderr) if tqdm else None
+    with open(log, "a") as lf:
+        lf.write("$ " + " ".join(args) + "\n")
+        p = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        last = 0
+        for line in p.stdout:
+            lf.write(line)
+            m = _PCT.match(line)
+            if m and bar is not None:
+                pct = int(m.group(1))
+                if pct > last:
+                    bar.update(pct - last)
+                    last = pct
+        rc = p.wait()
+    if bar is not None:
+        bar.close()
+    if rc:
+        tail = "".join(open(log).readlines()[-25:])
+        raise RuntimeError(f"{desc} failed (exit {rc}); full log: {log}\n{tail}")
+
+
+def _configure_args(src: Path, build: Path, shared: bool) -> list[str]:
+    return ["cmake", "-S", str(src), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release",
+            f"-DBUILD_SHARED_LIBS={'ON' if shared else 'OFF'}", "-DLLAMA_CURL=OFF",
+            "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=OFF",
+            "-DGGML_CCACHE=OFF"]
+
+
+def _jobs() -> str:
+    return str(os.environ.get("VOODOO_BUILD_JOBS") or os.cpu_count() or 2)
+
+
+def build_lib(force: bool = False) -> Path:
+    """Builds libggml-base.so (shared) into ``<build_root>/lib`` and returns its path."""
+    root = build_root()
+    final = root / "lib"
+    if (final / "libggml-base.so").is_file() and not force:
+        return final / "libggml-base.so"
+    src = fetch_source()
+    work = Path(tempfile.mkdtemp(prefix="build-lib.partial-", dir=root))
+    log = root / "build-lib.log"
+    log.write_text("")
+    _cmake(_configure_args(src, work, shared=True), "configure libggml-base", log)
+    _cmake(["cmake", "--build", str(work), "--target", "ggml-base", "-j", _jobs()],
+           "build libggml-base", log)
+    staged = Path(tempfile.mkdtemp(prefix="lib.partial-", dir=root))
+    for so in (work / "bin").glob("libggml-base.so*"):
+        shutil.copy2(so, staged / so.name, follow_symlinks=True)
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(staged, final)
+    shutil.rmtree(work, ignore_errors=True)
+    _log(f"libggml-base: {final / 'libggml-base.so'}")
+    return final / "libggml-base.so"
+
+
+def build_tools(force: bool = False) -> Path:
+    """Builds llama-quantize, llama-perplexity and llama-imatrix (static) into
+    ``<build_root>/bin`` (about 15 min on 2 cores, once per commit) and returns that folder."""
+    root = build_root()
+    final = root / "bin"
+    if all((final / t).is_file() for t in TOOLS) and not force:
+        return final
+    src = fetch_source()
+    work = root / "build-tools"  # kept between attempts so an interrupted build resumes
+    log = root / "build-tools.log"
+    log.write_text("")
+    _cmake(_configure_args(src, work, shared=False), "configure llama.cpp tools", log)
+    _cmake(["cmake", "--build", str(work), "--target", *TOOLS, "-j", _jobs()],
+           "build llama.cpp tools", log)
+    staged = Path(tempfile.mkdtemp(prefix="bin.partial-", dir=root))
+    for t in TOOLS:
+        shutil.copy2(work / "bin" / t, staged / t)
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(staged, final)
+    _log(f"llama.cpp tools: {final}")
+    return final
+
+
+def bootstrap(lib_only: bool = False, force: bool = False) -> dict:
+    """Fetches the pinned llama.cpp and builds libggml-base (and the tools unless
+    ``lib_only``). Reuses what is cached. Returns {"lib": path, "bin": path or None}."""
+    lib = build_lib(force=force) if not os.environ.get("VOODOO_GGML_LIB") else lib_path()
+    out = {"lib": str(lib), "bin": None}
+    if not lib_only:
+        out["bin"] = str(build_tools(force=force)) if not os.environ.get("VOODOO_LLAMA_CPP") \
+            else str(Path(os.environ["VOODOO_LLAMA_CPP"]))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    ap = argparse.ArgumentParser(prog="voodoo bootstrap", description=__doc__.split("\n")[0])
+    ap.add_argument("--lib-only", action="store_true", help="build libggml-base only (~20 s)")
+    ap.add_argument("--force", action="store_true", help="rebuild even when cached")
+    a = ap.parse_args(argv)
+    print(bootstrap(lib_only=a.lib_only, force=a.force))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
