@@ -1,0 +1,147 @@
+"""voodoo.candidates: keys, the Arrow IPC cache (round trip, corruption), precache_local."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+import cython_ggml
+from voodoo import candidates as C
+
+TYPES = ("Q4_K", "IQ4_XS", "Q8_0")
+
+
+@pytest.fixture(scope="module")
+def weights():
+    rng = np.random.default_rng(0)
+    return {f"blk.{i}.ffn_up.weight": rng.standard_normal((64, 512)).astype(np.float32)
+            for i in range(2)}
+
+
+@pytest.fixture(scope="module")
+def imatrix(weights):
+    rng = np.random.default_rng(1)
+    return {n: (rng.standard_normal(512) ** 2 + 0.1).astype(np.float32) for n in weights}
+
+
+def _jobs(weights, imatrix):
+    jobs = [(n, w, t, None) for n, w in weights.items() for t in TYPES]
+    jobs += [(n, w, "IQ2_XXS", imatrix[n]) for n, w in weights.items()]
+    return jobs
+
+
+def test_round_trip_zero_copy(tmp_path, weights):
+    name, w = next(iter(weights.items()))
+    cache = C.CandidateCache(tmp_path)
+    key = C.candidate_key(w, "Q4_K", None)
+    assert cache.get(key) is None and key not in cache
+    data = C.quantize_candidate(w, "Q4_K", None, name, n_threads=1)
+    p = cache.put(key, data, name)
+    assert p == cache.path(key) and p.is_file() and key in cache
+    got = cache.get(key)
+    assert got.dtype == np.uint8 and got.shape == (64, 288)
+    np.testing.assert_array_equal(got, data)
+    assert not got.flags.writeable  # a view of the memory-mapped file
+    with pa.memory_map(str(p)) as src:
+        table = pa.ipc.open_file(src).read_all()
+    arr, meta = C.from_arrow(table)
+    assert meta["gguf_name"] == name and meta["type"] == "Q4_K"
+    assert (meta["n_rows"], meta["n_per_row"], meta["row_size"]) == (64, 512, 288)
+    assert C.CandidateKey.from_meta(meta) == key
+    # to_arrow/from_arrow share the buffer
+    t = C.to_arrow(data, {"gguf_name": name})
+    back, _ = C.from_arrow(t)
+    assert np.shares_memory(back, data)
+
+
+def test_bytes_equal_cython_ggml(tmp_path, weights, imatrix):
+    cache = C.CandidateCache(tmp_path)
+    res = C.precache_local(_jobs(weights, imatrix), cache, progress=False, n_threads=1)
+    for (name, t), key in res.items():
+        im = imatrix[name] if t == "IQ2_XXS" else None
+        want = cython_ggml.quantize(weights[name], t, imatrix=im, n_threads=2,
+                                    tensor_name=name)
+        np.testing.assert_array_equal(cache.get(key), want)
+
+
+def test_second_run_quantizes_nothing(tmp_path, weights, imatrix, monkeypatch):
+    cache = C.CandidateCache(tmp_path)
+    jobs = _jobs(weights, imatrix)
+    r1 = C.precache_local(jobs, cache, progress=False)
+    assert (r1.hits, r1.misses, len(r1)) == (0, len(jobs), len(jobs))
+    calls = []
+    monkeypatch.setattr(C, "quantize_candidate", lambda *a, **k: calls.append(a))
+    r2 = C.precache_local(jobs, cache, progress=True)
+    assert (r2.hits, r2.misses, calls) == (len(jobs), 0, [])
+    assert dict(r2) == dict(r1)
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip_data", "flip_meta", "flip_magic",
+                                    "empty"])
+def test_corrupt_file_detected_and_rebuilt(tmp_path, weights, damage):
+    name, w = next(iter(weights.items()))
+    cache = C.CandidateCache(tmp_path)
+    jobs = [(name, w, "IQ4_XS", None)]
+    key = C.precache_local(jobs, cache, progress=False)[(name, "IQ4_XS")]
+    good = np.array(cache.get(key))
+    p = cache.path(key)
+    raw = bytearray(p.read_bytes())
+    if damage == "truncate":
+        raw = raw[: len(raw) // 2]
+    elif damage == "flip_data":
+        i = raw.find(good[10].tobytes())  # a byte inside the rows
+        assert i > 0
+        raw[i + 5] ^= 0x01
+    elif damage == "flip_meta":  # the tensor name in the footer's schema metadata
+        i = raw.rfind(name.encode())
+        raw[i + 2] ^= 0x01
+    elif damage == "flip_magic":
+        raw[-1] ^= 0xFF
+    else:
+        raw = bytearray()
+    p.write_bytes(bytes(raw))
+    with pytest.warns(C.CorruptCandidateWarning):
+        assert cache.get(key) is None
+    assert not p.exists()
+    r = C.precache_local(jobs, cache, progress=False)
+    assert r.misses == 1
+    np.testing.assert_array_equal(cache.get(key), good)
+
+
+def test_key_changes(weights, imatrix, monkeypatch):
+    name, w = next(iter(weights.items()))
+    im = imatrix[name]
+    k = C.candidate_key(w, "Q4_K", None)
+    assert k.type_name == "Q4_K" and k.imatrix_sha256 == "none"
+    assert C.candidate_key(w.copy(), "q4_k", None) == k  # content, not identity
+    w2 = w.copy()
+    w2[3, 7] = np.nextafter(w2[3, 7], np.float32(np.inf))
+    assert C.candidate_key(w2, "Q4_K", None) != k
+    assert C.candidate_key(w.reshape(128, 256), "Q4_K", None).weights_sha256 != k.weights_sha256
+    assert C.candidate_key(w, "IQ4_XS", None) != k
+    ki = C.candidate_key(w, "Q4_K", im)
+    assert ki != k and ki.imatrix_sha256 == C.imatrix_sha256(im)
+    im2 = im.copy()
+    im2[0] *= 2
+    assert C.candidate_key(w, "Q4_K", im2) != ki
+    monkeypatch.setenv("VOODOO_LLAMA_CPP_COMMIT", "deadbeef")
+    kc = C.candidate_key(w, "Q4_K", None)
+    assert kc != k and kc.llama_cpp_commit == "deadbeef"
+    assert len({x.digest for x in (k, ki, kc)}) == 3
+
+
+def test_imatrix_rules(weights):
+    name, w = next(iter(weights.items()))
+    with pytest.raises(ValueError, match="importance matrix"):
+        C.quantize_candidate(w, "IQ2_XXS", None, name)
+    with pytest.raises(ValueError, match="entries"):
+        C.quantize_candidate(w, "Q4_K", np.ones(256, np.float32), name)
+    # llama-quantize ignores a wrong-size entry for token_embd only
+    a = C.quantize_candidate(w, "Q4_K", np.ones(256, np.float32), "token_embd.weight")
+    np.testing.assert_array_equal(a, cython_ggml.quantize(w, "Q4_K"))
+    with pytest.raises(TypeError):
+        C.candidate_key(w.astype(np.float16), "Q4_K", None)
+    with pytest.raises(ValueError):  # 500 is not a multiple of 256
+        C.plan_precache([(name, np.zeros((4, 500), np.float32), "Q4_K", None)],
+                        C.CandidateCache("/nonexistent"))

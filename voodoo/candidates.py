@@ -1,0 +1,570 @@
+"""The candidate cache: (tensor, ggml type) -> quantized rows, written by libggml.
+
+A *candidate* is one whole selectable tensor quantized to one type: ``np.uint8`` of shape
+``(n_rows, row_size)``, every byte from libggml's ``ggml_quantize_chunk`` through
+:mod:`cython_ggml` (what ``llama-quantize`` calls), in **GGUF layout** (rows as the base F32
+GGUF stores them; see ``docs/contracts.md``).
+
+Candidates are content-addressed by a :class:`CandidateKey`: sha256 of the tensor's F32 bytes
+(and shape), the type name, sha256 of its imatrix row (or ``"none"``) and the llama.cpp commit.
+Each lives in one Arrow IPC file::
+
+    <root>/<TYPE>/<key digest>.arrow
+        schema metadata: voodoo.candidate=1, gguf_name, type, n_rows, n_per_row, row_size,
+                         weights_sha256, type_name, imatrix_sha256, llama_cpp_commit,
+                         data_sha256 (of the rows), meta_sha256 (of the other entries)
+        one column "rows": fixed_size_binary(row_size), n_rows entries, one chunk
+
+Reads are memory-mapped and zero-copy (``np.frombuffer`` on the column's data buffer) and are
+verified against ``data_sha256``; a truncated or corrupted file is deleted, reported with a
+:class:`CorruptCandidateWarning`, and :meth:`CandidateCache.get` returns None so the caller
+rebuilds it. Writes are atomic (a temporary file in the same folder, then ``os.replace``), so
+several processes (Ray actors on shared storage) may fill one cache.
+
+:func:`precache_local` is the one-process reference path; ``cluster.precache.precache_ray`` does
+the same over a Ray cluster and returns the same result. This module imports no Ray.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import sys
+import time
+import uuid
+import warnings
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Iterable, NamedTuple
+
+import numpy as np
+import pyarrow as pa
+
+from .llamacpp import cache_root, llama_cpp_commit
+from .quants import qtype
+
+__all__ = [
+    "CandidateKey", "CandidateJob", "CandidateCache", "CorruptCandidate",
+    "CorruptCandidateWarning", "PrecacheResult", "candidate_key", "weights_sha256",
+    "imatrix_sha256", "effective_imatrix", "quantize_candidate", "to_arrow", "from_arrow",
+    "plan_precache", "precache_local", "FORMAT_VERSION",
+]
+
+log = logging.getLogger(__name__)
+
+#: Version of the on-disk layout; written as ``voodoo.candidate`` in the schema metadata.
+FORMAT_VERSION = "1"
+_COLUMN = "rows"
+_INT_FIELDS = ("n_rows", "n_per_row", "row_size")
+_NO_IMATRIX = "none"
+
+
+class CorruptCandidate(ValueError):
+    """A candidate's bytes or metadata do not check out (checksum, shape or key mismatch)."""
+
+
+class CorruptCandidateWarning(UserWarning):
+    """A cached candidate file was unreadable or corrupt and has been deleted."""
+
+
+# ------------------------------------------------------------------------------------ keys
+@dataclass(frozen=True)
+class CandidateKey:
+    """What a candidate's bytes depend on, and nothing else.
+
+    Attributes:
+        weights_sha256: hex sha256 of ``f"f32:{n_rows}x{n_per_row}:"`` followed by the
+            tensor's float32 C-order bytes (GGUF layout).
+        type_name: ggml type name, upper case (``"Q4_K"``).
+        imatrix_sha256: hex sha256 of the float32 imatrix row actually used, or ``"none"``.
+        llama_cpp_commit: the llama.cpp commit whose libggml writes the bytes.
+        n_rows, n_per_row: the tensor's shape (also folded into ``weights_sha256``).
+    """
+
+    weights_sha256: str
+    type_name: str
+    imatrix_sha256: str
+    llama_cpp_commit: str
+    n_rows: int
+    n_per_row: int
+
+    @property
+    def digest(self) -> str:
+        """hex sha256 over all fields: the candidate's file name."""
+        s = "|".join(str(v) for v in (FORMAT_VERSION, self.weights_sha256, self.type_name,
+                                        self.imatrix_sha256, self.llama_cpp_commit,
+                                        self.n_rows, self.n_per_row))
+        return hashlib.sha256(s.encode()).hexdigest()
+
+    @property
+    def row_size(self) -> int:
+        """Bytes per quantized row (raises ValueError if n_per_row is not a block multiple)."""
+        return qtype(self.type_name).row_nbytes(self.n_per_row)
+
+    def to_meta(self) -> dict[str, str]:
+        """The key as string metadata (Arrow schema metadata / JSON)."""
+        return {k: str(v) for k, v in asdict(self).items()}
+
+    @classmethod
+    def from_meta(cls, meta: dict) -> "CandidateKey":
+        """Inverse of :meth:`to_meta` (extra entries are ignored). Raises KeyError."""
+        return cls(weights_sha256=str(meta["weights_sha256"]), type_name=str(meta["type_name"]),
+                   imatrix_sha256=str(meta["imatrix_sha256"]),
+                   llama_cpp_commit=str(meta["llama_cpp_commit"]),
+                   n_rows=int(meta["n_rows"]), n_per_row=int(meta["n_per_row"]))
+
+
+def _as_f32_2d(w, what: str = "weights") -> np.ndarray:
+    if not isinstance(w, np.ndarray) or w.dtype != np.float32:
+        raise TypeError(f"{what} must be a float32 numpy array, got "
+                        f"{getattr(w, 'dtype', type(w).__name__)}")
+    if w.ndim != 2:
+        raise ValueError(f"{what} must be 2-D (n_rows, n_per_row), got shape {w.shape}")
+    return np.ascontiguousarray(w)
+
+
+def weights_sha256(w: np.ndarray) -> str:
+    """hex sha256 of a float32 (n_rows, n_per_row) tensor's shape and C-order bytes.
+
+    Raises TypeError (not float32) or ValueError (not 2-D)."""
+    w = _as_f32_2d(w)
+    h = hashlib.sha256(f"f32:{w.shape[0]}x{w.shape[1]}:".encode())
+    h.update(memoryview(w).cast("B"))
+    return h.hexdigest()
+
+
+def imatrix_sha256(row: np.ndarray | None) -> str:
+    """hex sha256 of a float32 (n_per_row,) imatrix row's bytes, or ``"none"`` for None.
+
+    Raises TypeError for a non-float32 row."""
+    if row is None:
+        return _NO_IMATRIX
+    if not isinstance(row, np.ndarray) or row.dtype != np.float32 or row.ndim != 1:
+        raise TypeError(f"an imatrix row must be float32 of shape (n_per_row,), got "
+                        f"{getattr(row, 'dtype', type(row).__name__)} "
+                        f"{getattr(row, 'shape', '')}")
+    return hashlib.sha256(memoryview(np.ascontiguousarray(row)).cast("B")).hexdigest()
+
+
+#: llama-quantize ignores (with a warning) an imatrix entry of the wrong size for this tensor
+#: only; for every other tensor it is an error (``llama_model_quantize_impl``,
+#: ``src/llama-quant.cpp``).
+_IMATRIX_SIZE_TOLERANT = frozenset(["token_embd.weight"])
+
+
+def effective_imatrix(imatrix_row: np.ndarray | None, gguf_name: str | None,
+                      n_per_row: int) -> np.ndarray | None:
+    """The imatrix row llama-quantize would actually pass to ``ggml_quantize_chunk``.
+
+    Rule (``llama_model_quantize_impl`` in llama.cpp ``src/llama-quant.cpp``): an entry is used
+    when its length is ``n_per_row``; a wrong-length entry is ignored for
+    ``token_embd.weight`` and an error otherwise. (Whether a type *needs* one is checked by
+    :func:`cython_ggml.quantize` with ``tensor_name``.)
+
+    Returns:
+        float32 (n_per_row,) C-contiguous, or None.
+
+    Raises:
+        TypeError: the row is not a float32 numpy array.
+        ValueError: wrong length for a tensor other than ``token_embd.weight``.
+    """
+    if imatrix_row is None:
+        return None
+    if not isinstance(imatrix_row, np.ndarray) or imatrix_row.dtype != np.float32:
+        raise TypeError(f"imatrix row for {gguf_name!r} must be float32, got "
+                        f"{getattr(imatrix_row, 'dtype', type(imatrix_row).__name__)}")
+    row = np.ascontiguousarray(imatrix_row).reshape(-1)
+    if row.shape[0] != n_per_row:
+        if gguf_name in _IMATRIX_SIZE_TOLERANT:
+            log.warning("imatrix row for %s has %d entries, the tensor %d per row: ignored "
+                        "(as llama-quantize does)", gguf_name, row.shape[0], n_per_row)
+            return None
+        raise ValueError(f"imatrix row for {gguf_name!r} has {row.shape[0]} entries but the "
+                         f"tensor has {n_per_row} weights per row (llama-quantize refuses this)")
+    return row
+
+
+def candidate_key(weights: np.ndarray, type_name, imatrix_row: np.ndarray | None,
+                  commit: str | None = None, *, _weights_sha: str | None = None) -> CandidateKey:
+    """The cache key of ``weights`` quantized to ``type_name`` with ``imatrix_row``.
+
+    Args:
+        weights: float32 (n_rows, n_per_row), GGUF layout.
+        type_name: a ggml type (name, id or ``voodoo.quants.QuantType``); must be the type
+            actually written (menus from ``voodoo.quants.build_menu`` already are).
+        imatrix_row: float32 (n_per_row,) or None. Pass what will be used (see
+            :func:`effective_imatrix`).
+        commit: llama.cpp commit; default ``voodoo.llamacpp.llama_cpp_commit()``.
+
+    Raises:
+        TypeError / ValueError: bad dtype or shape; ValueError for an unknown type.
+    """
+    w = _as_f32_2d(weights)
+    return CandidateKey(
+        weights_sha256=_weights_sha or weights_sha256(w),
+        type_name=qtype(type_name).name,
+        imatrix_sha256=imatrix_sha256(imatrix_row),
+        llama_cpp_commit=commit or llama_cpp_commit(),
+        n_rows=int(w.shape[0]), n_per_row=int(w.shape[1]))
+
+
+# ---------------------------------------------------------------------------- quantizing
+def quantize_candidate(w: np.ndarray, type_name, imatrix_row: np.ndarray | None,
+                       gguf_name: str | None, n_threads: int | None = None) -> np.ndarray:
+    """Quantizes one tensor to one type exactly as llama-quantize would.
+
+    Args:
+        w: float32 (n_rows, n_per_row), GGUF layout (read-only arrays are fine).
+        type_name: ggml type to write (no shape fallback is applied here: pass menu types).
+        imatrix_row: float32 (n_per_row,) or None; filtered by :func:`effective_imatrix`.
+        gguf_name: GGUF tensor name, for llama-quantize's imatrix rules.
+        n_threads: libggml threads (default ``$VOODOO_GGML_THREADS`` or all cores); the bytes
+            do not depend on it.
+
+    Returns:
+        np.uint8 (n_rows, row_size).
+
+    Raises:
+        ValueError: n_per_row not a multiple of the type's block (use
+            ``voodoo.quants.fallback_type``), NaN/Inf, a type that needs an imatrix given none
+            (``tensor_requires_imatrix``), a wrong-length imatrix row.
+        TypeError: non-float32 input.
+    """
+    import cython_ggml  # loads libggml on first use
+
+    w = _as_f32_2d(w)
+    t = qtype(type_name)
+    im = effective_imatrix(imatrix_row, gguf_name, w.shape[1])
+    return cython_ggml.quantize(w, t.name, imatrix=im, n_threads=n_threads,
+                                tensor_name=gguf_name)
+
+
+# ------------------------------------------------------------------------------ Arrow I/O
+def _data_sha256(data: np.ndarray) -> str:
+    return hashlib.sha256(memoryview(np.ascontiguousarray(data)).cast("B")).hexdigest()
+
+
+def _meta_sha256(meta: dict) -> str:
+    items = sorted((str(k), str(v)) for k, v in meta.items() if k != "meta_sha256")
+    return hashlib.sha256(repr(items).encode()).hexdigest()
+
+
+def to_arrow(data: np.ndarray, meta: dict) -> pa.Table:
+    """Wraps quantized rows in a one-column Arrow table without copying them.
+
+    Args:
+        data: np.uint8 (n_rows, row_size), C-contiguous (copied once if not).
+        meta: string-able metadata; usually ``key.to_meta() | {"gguf_name": ...}``. ``type``,
+            ``n_rows``, ``row_size``, ``data_sha256`` and ``voodoo.candidate`` are filled in
+            (``data_sha256`` is computed unless given), and ``meta_sha256`` (sha256 over all
+            the other entries) is added last.
+
+    Returns:
+        ``pa.Table`` with column ``rows`` of ``fixed_size_binary(row_size)`` and the metadata
+        on its schema (all values str).
+
+    Raises:
+        TypeError: data is not uint8 2-D.
+    """
+    if not isinstance(data, np.ndarray) or data.dtype != np.uint8 or data.ndim != 2:
+        raise TypeError(f"candidate data must be np.uint8 (n_rows, row_size), got "
+                        f"{getattr(data, 'dtype', type(data).__name__)} "
+                        f"{getattr(data, 'shape', '')}")
+    data = np.ascontiguousarray(data)
+    n_rows, row_size = data.shape
+    m = {str(k): str(v) for k, v in meta.items()}
+    m.setdefault("type", m.get("type_name", ""))
+    m.update({"voodoo.candidate": FORMAT_VERSION, "n_rows": str(n_rows),
+              "row_size": str(row_size)})
+    m.setdefault("data_sha256", _data_sha256(data))
+    m.pop("meta_sha256", None)
+    m["meta_sha256"] = _meta_sha256(m)
+    arr = pa.FixedSizeBinaryArray.from_buffers(pa.binary(row_size), n_rows,
+                                               [None, pa.py_buffer(data)])
+    schema = pa.schema([pa.field(_COLUMN, pa.binary(row_size), nullable=False)], metadata=m)
+    return pa.Table.from_arrays([arr], schema=schema)
+
+
+def from_arrow(table: pa.Table, verify: bool = True) -> tuple[np.ndarray, dict]:
+    """Inverse of :func:`to_arrow`: the rows as np.uint8 (n_rows, row_size) and the metadata.
+
+    The array is a read-only view of the table's buffer when the column has one chunk (copy
+    before writing to it). Integer fields (``n_rows``, ``n_per_row``, ``row_size``) come back
+    as int, the rest as str.
+
+    Raises:
+        CorruptCandidate: missing column or metadata, metadata not matching its
+            ``meta_sha256``, shape disagreeing with the metadata, or
+            (``verify=True``) bytes whose sha256 differs from ``data_sha256``.
+    """
+    raw = table.schema.metadata or {}
+    meta: dict = {k.decode(): v.decode() for k, v in raw.items()}
+    if meta.get("voodoo.candidate") != FORMAT_VERSION or _COLUMN not in table.column_names:
+        raise CorruptCandidate(f"not a voodoo candidate table (format "
+                               f"{meta.get('voodoo.candidate')!r}, columns {table.column_names})")
+    if meta.get("meta_sha256") != _meta_sha256(meta):
+        raise CorruptCandidate("candidate metadata does not match its meta_sha256")
+    try:
+        for k in _INT_FIELDS:
+            if k in meta:
+                meta[k] = int(meta[k])
+        n_rows, row_size = meta["n_rows"], meta["row_size"]
+    except (KeyError, ValueError) as e:
+        raise CorruptCandidate(f"bad candidate metadata: {e!r}") from None
+    col = table.column(_COLUMN)
+    if not pa.types.is_fixed_size_binary(col.type) or col.type.byte_width != row_size \
+            or len(col) != n_rows or col.null_count:
+        raise CorruptCandidate(f"candidate column is {col.type} x {len(col)}, metadata says "
+                               f"{n_rows} rows of {row_size} bytes")
+    chunk = col.chunks[0] if col.num_chunks == 1 else col.combine_chunks()
+    buf = chunk.buffers()[1]
+    start = chunk.offset * row_size
+    if buf is None or buf.size < start + n_rows * row_size:
+        raise CorruptCandidate("candidate data buffer is shorter than its metadata says")
+    data = np.frombuffer(buf, dtype=np.uint8, count=n_rows * row_size,
+                         offset=start).reshape(n_rows, row_size)
+    if verify:
+        got = _data_sha256(data)
+        if got != meta.get("data_sha256"):
+            raise CorruptCandidate(f"candidate data sha256 {got[:12]}... differs from the "
+                                   f"recorded {str(meta.get('data_sha256'))[:12]}...")
+    return data, meta
+
+
+# ---------------------------------------------------------------------------------- cache
+class CandidateCache:
+    """Arrow IPC files of candidates under ``root``, one per key (see module docstring).
+
+    Args:
+        root: folder (created on first write); default ``voodoo.llamacpp.cache_root() /
+            "candidates"`` (``$VOODOO_CACHE``). Use shared storage for multi-node runs that
+            let actors write.
+    """
+
+    def __init__(self, root: str | os.PathLike | None = None):
+        self.root = Path(root) if root is not None else cache_root() / "candidates"
+
+    def __repr__(self) -> str:
+        return f"CandidateCache({str(self.root)!r})"
+
+    def path(self, key: CandidateKey) -> Path:
+        """``<root>/<TYPE>/<key.digest>.arrow``."""
+        return self.root / key.type_name / f"{key.digest}.arrow"
+
+    def __contains__(self, key: CandidateKey) -> bool:
+        """Whether a file exists for ``key`` (not verified; :meth:`get` verifies)."""
+        return self.path(key).is_file()
+
+    def get(self, key: CandidateKey) -> np.ndarray | None:
+        """The candidate's rows, or None when absent or corrupt.
+
+        Returns:
+            np.uint8 (n_rows, row_size), read-only and memory-mapped from the file (zero-copy;
+            stays valid after the file is replaced or deleted).
+
+        A file that cannot be parsed, whose metadata disagrees with ``key``, or whose bytes do
+        not match the recorded sha256 is deleted and reported (``CorruptCandidateWarning`` and
+        a log warning); None is returned so the caller rebuilds it.
+        """
+        p = self.path(key)
+        try:
+            st = os.stat(p)
+        except FileNotFoundError:
+            return None
+        try:
+            with pa.memory_map(str(p), "r") as src:
+                table = pa.ipc.open_file(src).read_all()
+            data, meta = from_arrow(table, verify=True)
+            want = key.to_meta()
+            bad = {k: (meta.get(k), v) for k, v in want.items() if str(meta.get(k)) != v}
+            if bad:
+                raise CorruptCandidate(f"metadata differs from the key: {bad}")
+            if data.shape != (key.n_rows, key.row_size):
+                raise CorruptCandidate(f"shape {data.shape} != {(key.n_rows, key.row_size)}")
+        except (CorruptCandidate, pa.ArrowException, OSError, ValueError, KeyError,
+                IndexError) as e:
+            self._discard(p, st, e)
+            return None
+        return data
+
+    def _discard(self, p: Path, st: os.stat_result, err: Exception) -> None:
+        msg = f"corrupt candidate {p} ({type(err).__name__}: {err}); deleted, will be rebuilt"
+        try:
+            now = os.stat(p)
+            # Another writer may have replaced the file since we read it: keep theirs.
+            if (now.st_ino, now.st_mtime_ns, now.st_size) == (st.st_ino, st.st_mtime_ns,
+                                                               st.st_size):
+                os.unlink(p)
+        except FileNotFoundError:
+            pass
+        log.warning(msg)
+        warnings.warn(msg, CorruptCandidateWarning, stacklevel=3)
+
+    def put(self, key: CandidateKey, data: np.ndarray, gguf_name: str = "",
+            extra: dict | None = None) -> Path:
+        """Writes a candidate atomically and returns its path.
+
+        Args:
+            key: its key.
+            data: np.uint8 (key.n_rows, key.row_size).
+            gguf_name: recorded in the metadata (informational; the key does not use it).
+            extra: more string metadata to record (e.g. who built it).
+
+        Raises:
+            ValueError: data's shape disagrees with the key.
+            OSError: the file cannot be written (the temporary file is removed).
+        """
+        if getattr(data, "shape", None) != (key.n_rows, key.row_size):
+            raise ValueError(f"data of shape {getattr(data, 'shape', None)} does not fit "
+                             f"{key.type_name} candidate ({key.n_rows}, {key.row_size})")
+        meta = {**(extra or {}), **key.to_meta(), "gguf_name": gguf_name,
+                "type": key.type_name}
+        table = to_arrow(data, meta)
+        p = self.path(key)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        tmp = p.parent / f".{p.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
+        try:
+            with pa.OSFile(str(tmp), "wb") as sink:
+                with pa.ipc.new_file(sink, table.schema) as w:
+                    w.write_table(table)
+            os.replace(tmp, p)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        return p
+
+
+# ------------------------------------------------------------------------------- precache
+class CandidateJob(NamedTuple):
+    """One (tensor, type) to have in the cache.
+
+    Attributes:
+        gguf_name: GGUF tensor name.
+        weights: float32 (n_rows, n_per_row), GGUF layout (from the base F32 GGUF).
+        type_name: ggml type to write.
+        imatrix_row: float32 (n_per_row,) or None.
+    """
+
+    gguf_name: str
+    weights: np.ndarray
+    type_name: str
+    imatrix_row: np.ndarray | None
+
+
+class PrecacheResult(dict):
+    """``{(gguf_name, type_name): CandidateKey}`` for every job, plus counts.
+
+    Attributes:
+        hits: jobs already in the cache (verified).
+        misses: jobs quantized by this call.
+        stats: more numbers (``seconds``; the Ray layer adds ``retries``, ``actor_deaths``,
+            ``nodes`` = {node id: tasks}, ``workers``).
+    """
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.hits = 0
+        self.misses = 0
+        self.stats: dict = {}
+
+    def summary(self) -> str:
+        return (f"{len(self)} candidates: {self.hits} cached, {self.misses} quantized "
+                f"in {self.stats.get('seconds', 0.0):.1f} s")
+
+
+def plan_precache(jobs: Iterable, cache: CandidateCache, verify: bool = True
+                  ) -> tuple[PrecacheResult, list[tuple[CandidateJob, CandidateKey]]]:
+    """Keys every job and splits the cached ones from those still to quantize.
+
+    Args:
+        jobs: iterable of :class:`CandidateJob` or 4-tuples
+            ``(gguf_name, weights f32 (n_rows, n_per_row), type_name, imatrix_row | None)``.
+        cache: where to look.
+        verify: check cached files' checksums (reads them; a corrupt file is deleted and
+            counted as a miss). False trusts any existing file.
+
+    Returns:
+        (result with every job's key and ``hits`` set, list of (job, key) to quantize,
+        duplicates removed, in job order).
+
+    Raises:
+        TypeError / ValueError: bad weights, type or imatrix row (see :func:`candidate_key`,
+        :func:`effective_imatrix`); raised before anything is quantized.
+    """
+    result = PrecacheResult()
+    todo: list[tuple[CandidateJob, CandidateKey]] = []
+    seen: set[CandidateKey] = set()
+    wsha: dict[int, tuple[np.ndarray, str]] = {}  # id(weights) -> (weights, sha): hash once
+    for j in jobs:
+        j = CandidateJob(*j)
+        w = _as_f32_2d(j.weights, f"weights of {j.gguf_name}")
+        if id(j.weights) not in wsha:
+            wsha[id(j.weights)] = (j.weights, weights_sha256(w))
+        t = qtype(j.type_name).name
+        im = effective_imatrix(j.imatrix_row, j.gguf_name, w.shape[1])
+        key = candidate_key(w, t, im, _weights_sha=wsha[id(j.weights)][1])
+        key.row_size  # raises ValueError now for a type the row length does not fit
+        result[(j.gguf_name, t)] = key
+        if key in seen:
+            continue
+        seen.add(key)
+        cached = (cache.get(key) is not None) if verify else (key in cache)
+        if cached:
+            result.hits += 1
+        else:
+            todo.append((CandidateJob(j.gguf_name, j.weights, t, im), key))
+    result.misses = len(todo)
+    return result, todo
+
+
+def _progress(total: int, desc: str, enabled: bool):
+    if not enabled or total == 0:
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:  # pragma: no cover
+        return None
+    return tqdm(total=total, desc=desc, unit="cand", file=sys.stderr, dynamic_ncols=True)
+
+
+def precache_local(jobs: Iterable, cache: CandidateCache, progress: bool = True,
+                   n_threads: int | None = None, verify: bool = True) -> PrecacheResult:
+    """Quantizes, in this process, every job not already cached; the reference path.
+
+    Args:
+        jobs: see :func:`plan_precache`.
+        cache: the :class:`CandidateCache` to fill.
+        progress: show a tqdm bar (with ETA) over the candidates to quantize, and print a
+            one-line summary to stderr.
+        n_threads: libggml threads per tensor (default all cores).
+        verify: see :func:`plan_precache`.
+
+    Returns:
+        :class:`PrecacheResult`: ``{(gguf_name, type_name): CandidateKey}``; ``.hits`` /
+        ``.misses`` count the cached and the newly quantized candidates.
+
+    Raises:
+        ValueError / TypeError: from :func:`plan_precache` or :func:`quantize_candidate`;
+        candidates written before the error stay cached.
+    """
+    t0 = time.perf_counter()
+    result, todo = plan_precache(jobs, cache, verify=verify)
+    bar = _progress(len(todo), "quantize", progress)
+    try:
+        for job, key in todo:
+            if bar is not None:
+                bar.set_postfix_str(f"{job.gguf_name} {key.type_name}", refresh=False)
+            data = quantize_candidate(job.weights, key.type_name, job.imatrix_row,
+                                      job.gguf_name, n_threads=n_threads)
+            cache.put(key, data, job.gguf_name)
+            if bar is not None:
+                bar.update(1)
+    finally:
+        if bar is not None:
+            bar.close()
+    result.stats["seconds"] = time.perf_counter() - t0
+    log.info("precache_local: %s", result.summary())
+    if progress:
+        print(f"[voodoo precache] {result.summary()}", file=sys.stderr, flush=True)
+    return result
