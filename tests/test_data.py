@@ -1,0 +1,135 @@
+"""voodoo.data: sources, the train/eval split by document, blocks, determinism, the folder."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from voodoo import data as vd
+
+
+def _docs(n: int) -> list[str]:
+    # distinct, recognisable documents: doc k repeats its own marker word
+    return [" ".join([f"doc{k:03d} word{k % 7} text"] * (3 + k % 5)) for k in range(n)]
+
+
+@pytest.fixture()
+def jsonl_source(tmp_path):
+    p = tmp_path / "docs.jsonl"
+    p.write_text("\n".join(json.dumps({"text": d, "id": i}) for i, d in enumerate(_docs(40))))
+    return p
+
+
+def test_strip_wiki_markup():
+    src = ("{{Infobox|name=x|{{nested|y}}}}'''Anarchism''' is a [[political philosophy]] "
+           "that [[advocacy|advocates]] things.<ref name=a>cite {{cite|x}}</ref> More.<ref a/>\n"
+           "== History ==\n"
+           "[[File:A.jpg|thumb|caption with [[link]]]]\n"
+           "{| class=wikitable\n|-\n| cell || cell\n|}\n"
+           "See [http://example.org the site] &amp; <!-- hidden --> [[Category:Things]] [[de:Anarchismus]]")
+    out = vd.strip_wiki_markup(src)
+    assert out.startswith("Anarchism is a political philosophy that advocates things. More.")
+    assert "History" in out and "==" not in out
+    for junk in ("{{", "}}", "[[", "]]", "<ref", "cite", "caption", "cell", "Category",
+                 "Anarchismus", "hidden", "http"):
+        assert junk not in out, junk
+    assert "See the site &" in out
+
+
+def test_jsonl_blocks_split_and_determinism(smol_tokenizer, jsonl_source, tmp_path):
+    kw = dict(seq_len=32, n_train_blocks=6, n_eval_blocks=3)
+    m1 = vd.build_dataset(smol_tokenizer, jsonl_source, tmp_path / "a", seed=1, **kw)
+    m2 = vd.build_dataset(smol_tokenizer, jsonl_source, tmp_path / "b", seed=1, **kw)
+    m3 = vd.build_dataset(smol_tokenizer, jsonl_source, tmp_path / "c", seed=2, **kw)
+    tr1, ev1, meta1 = vd.load_dataset_dir(tmp_path / "a")
+    tr2, ev2, _ = vd.load_dataset_dir(tmp_path / "b")
+    tr3, _, _ = vd.load_dataset_dir(tmp_path / "c")
+    assert tr1.dtype == torch.long and tuple(tr1.shape) == (6, 32) and tuple(ev1.shape) == (3, 32)
+    assert torch.equal(tr1, tr2) and torch.equal(ev1, ev2)
+    assert m1["files"] == m2["files"]
+    assert not torch.equal(tr1, tr3) and m3["files"] != m1["files"]
+    # eval and train come from disjoint documents
+    ev_docs, tr_docs = set(meta1["eval_document_indices"]), set(meta1["train_document_indices"])
+    assert ev_docs and tr_docs and not (ev_docs & tr_docs)
+    ev_text = smol_tokenizer.decode(ev1.flatten().tolist())
+    tr_text = smol_tokenizer.decode(tr1.flatten().tolist())
+    for k in range(40):
+        marker = f"doc{k:03d}"
+        assert not (marker in ev_text and marker in tr_text), marker
+        if marker in ev_text:
+            assert k in ev_docs
+        if marker in tr_text:
+            assert k in tr_docs
+    # documents are joined by EOS
+    eos = smol_tokenizer.eos_token_id
+    assert (tr1 == eos).any()
+    assert meta1["tokenizer"]["vocab_size"] == len(smol_tokenizer.get_vocab())
+    assert meta1["seed"] == 1 and meta1["n_train_blocks"] == 6 and meta1["seq_len"] == 32
+
+
+def test_txt_and_parquet_sources(smol_tokenizer, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    docs = _docs(12)
+    txt = tmp_path / "c.txt"
+    txt.write_text("\n\n\n".join(docs))
+    assert vd.read_documents(txt)[0] == docs
+    pqf = tmp_path / "c.parquet"
+    pq.write_table(pa.table({"text": docs}), pqf)
+    assert vd.read_documents(pqf)[0] == docs
+    m = vd.build_dataset(smol_tokenizer, pqf, tmp_path / "d", seq_len=16, n_train_blocks=None,
+                         n_eval_blocks=2, seed=0)
+    tr, ev, _ = vd.load_dataset_dir(tmp_path / "d")
+    assert tr.shape[1] == 16 and tr.shape[0] == m["n_train_blocks"] > 2 and ev.shape == (2, 16)
+
+
+def test_errors(smol_tokenizer, jsonl_source, tmp_path):
+    with pytest.raises(vd.DatasetError, match="fewer than"):
+        vd.build_dataset(smol_tokenizer, jsonl_source, tmp_path / "x", seq_len=64,
+                         n_train_blocks=10_000, n_eval_blocks=1)
+    with pytest.raises(vd.DatasetError, match="does not exist"):
+        vd.read_documents(tmp_path / "nope.jsonl")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"txt": "x"}\n')
+    with pytest.raises(vd.DatasetError, match="text"):
+        vd.read_documents(bad)
+    with pytest.raises(vd.DatasetError, match="no meta.json"):
+        vd.load_dataset_dir(tmp_path / "empty")
+    vd.build_dataset(smol_tokenizer, jsonl_source, tmp_path / "ok", seq_len=16, n_train_blocks=2,
+                     n_eval_blocks=1)
+    (tmp_path / "ok" / "train.pt").write_bytes(b"garbage")
+    with pytest.raises(vd.DatasetError, match="sha256"):
+        vd.load_dataset_dir(tmp_path / "ok")
+
+
+def test_hub_source_without_datasets(monkeypatch):
+    import builtins
+    real_import = builtins.__import__
+
+    def no_datasets(name, *a, **k):
+        if name == "datasets":
+            raise ImportError(name)
+        return real_import(name, *a, **k)
+    monkeypatch.setattr(builtins, "__import__", no_datasets)
+    with pytest.raises(vd.DatasetError, match="datasets"):
+        vd.read_documents("hf:wikitext:wikitext-2-raw-v1")
+
+
+def test_enwiki_articles_and_split(smol_tokenizer, tmp_path):
+    """The built-in corpus: cached from the gensim wheel; split by article, disjoint."""
+    try:
+        path = vd.fetch_enwiki()
+    except vd.DatasetError as e:
+        pytest.skip(f"enwiki corpus not reachable: {e}")
+    titles = [t for t, _ in vd.iter_wiki_articles(path)]
+    assert len(titles) > 50 and len(set(titles)) == len(titles)
+    m = vd.build_dataset(smol_tokenizer, "enwiki", tmp_path / "w", seq_len=128,
+                         n_train_blocks=4, n_eval_blocks=2, seed=0)
+    assert m["n_documents"] == len(titles)
+    assert not set(m["eval_document_indices"]) & set(m["train_document_indices"])
+    tr, ev, _ = vd.load_dataset_dir(tmp_path / "w")
+    assert tuple(tr.shape) == (4, 128) and tuple(ev.shape) == (2, 128)
+    text = smol_tokenizer.decode(tr[0].tolist())
+    assert "{{" not in text and "[[" not in text

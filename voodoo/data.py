@@ -1,0 +1,505 @@
+"""Calibration data: documents → tokens → fixed-length blocks on disk.
+
+A dataset folder holds::
+
+    train.pt    torch.LongTensor (n_train, seq_len)   token ids
+    eval.pt     torch.LongTensor (n_eval, seq_len)    token ids, from documents disjoint from train
+    meta.json   tokenizer (name, vocab size, hash), source, seed, counts, sha256 of both .pt files
+
+Documents are split into train and eval **by document** (by article for the built-in corpus), in
+an order fixed by ``seed``: the shuffled documents fill the eval blocks first, the rest fill the
+train blocks. Inside each split, documents are tokenized without special tokens, concatenated
+with EOS between documents and cut into blocks of ``seq_len`` (the remainder is dropped). No BOS
+is inserted; a block may start in the middle of a document.
+
+Sources (``build_dataset(source=...)``):
+
+* ``"enwiki"`` (the default): the shortened English Wikipedia dump (MediaWiki XML, CC BY-SA)
+  shipped as test data in the gensim 4.4.0 wheel, fetched with ``pip download`` (gensim is never
+  installed), cached under ``<cache>/data``; articles (namespace 0, no redirects) with their wiki
+  markup stripped.
+* a local ``.txt`` (documents separated by two or more blank lines; a file without such breaks is
+  one document), ``.jsonl`` (one JSON object per line with a ``"text"`` field) or ``.parquet``
+  file (a ``"text"`` column).
+* ``"hf:NAME"``, ``"hf:NAME:CONFIG"`` or a bare hub name: a Hugging Face ``datasets`` dataset
+  with a ``"text"`` column (split ``train``); needs ``datasets`` and network.
+
+wikitext-2's *test* split is for evaluation only: never calibrate on it.
+"""
+
+from __future__ import annotations
+
+import bz2
+import hashlib
+import html
+import io
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+from typing import Iterable, Iterator, Sequence
+
+import numpy as np
+import torch
+
+from voodoo.llamacpp import cache_root
+
+#: The built-in calibration corpus.
+DEFAULT_SOURCE = "enwiki"
+GENSIM_VERSION = "4.4.0"
+#: The dump inside the gensim wheel (a shortened enwiki pages-articles XML, bz2).
+ENWIKI_MEMBER = ("gensim/test/test_data/"
+                 "enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2")
+#: sha256 of that member (identical in every platform wheel of gensim 4.4.0).
+ENWIKI_SHA256 = "a53f4648dec40467ebdcbc7a1307eddb51fe6e28e9309f6ebde81ba0d04bea2d"
+
+#: Format version of a dataset folder (bump when the layout changes).
+DATASET_FORMAT = 1
+#: Articles shorter than this many characters after markup stripping are skipped.
+MIN_ARTICLE_CHARS = 200
+
+
+class DatasetError(RuntimeError):
+    """A dataset folder is missing, incomplete or corrupt, or a source cannot be read."""
+
+
+# ------------------------------------------------------------------------------ file helpers
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _atomic_write_bytes(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".partial", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _atomic_torch_save(obj, path: Path) -> None:
+    # through a buffer: torch.save names the zip's records after a real file, which would make
+    # the bytes depend on the temporary name
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    _atomic_write_bytes(path, buf.getvalue())
+
+
+# ------------------------------------------------------------------------- the enwiki corpus
+def _extract_enwiki(wheel: Path, dst: Path) -> Path:
+    """Copies ``ENWIKI_MEMBER`` out of a gensim wheel to ``dst`` (atomically) after checking
+    its sha256. Raises DatasetError when the member is missing or differs."""
+    with zipfile.ZipFile(wheel) as z:
+        if ENWIKI_MEMBER not in z.namelist():
+            raise DatasetError(f"{wheel.name} has no member {ENWIKI_MEMBER}")
+        data = z.read(ENWIKI_MEMBER)
+    digest = hashlib.sha256(data).hexdigest()
+    if digest != ENWIKI_SHA256:
+        raise DatasetError(f"{ENWIKI_MEMBER} in {wheel.name} has sha256 {digest}, expected "
+                           f"{ENWIKI_SHA256}")
+    _atomic_write_bytes(dst, data)
+    return dst
+
+
+def fetch_enwiki() -> Path:
+    """Path of the cached enwiki dump (``<cache>/data/<member name>``), fetched on first use.
+
+    Runs ``pip download --no-deps gensim==4.4.0 --only-binary :all:`` into a temporary folder
+    (any platform's wheel carries the dump; gensim is not installed), extracts the bz2 member and
+    checks its sha256. Raises DatasetError when pip fails (PyPI unreachable) or the member is
+    missing or differs."""
+    dst = cache_root() / "data" / Path(ENWIKI_MEMBER).name
+    if dst.is_file() and _sha256_file(dst) == ENWIKI_SHA256:
+        return dst
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=dst.parent) as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
+               "-d", tmp, f"gensim=={GENSIM_VERSION}"]
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        wheels = sorted(Path(tmp).glob("gensim-*.whl"))
+        if r.returncode or not wheels:
+            tail = "\n".join((r.stdout + r.stderr).splitlines()[-15:])
+            raise DatasetError(f"could not fetch the enwiki calibration corpus: `{' '.join(cmd)}` "
+                               f"failed (exit {r.returncode}); check that PyPI is reachable, or "
+                               f"pass a local .txt/.jsonl/.parquet source.\n{tail}")
+        return _extract_enwiki(wheels[0], dst)
+
+
+_NS = re.compile(r"^\{[^}]*\}")
+
+
+def iter_wiki_articles(path: str | os.PathLike) -> Iterator[tuple[str, str]]:
+    """Yields ``(title, plain text)`` for every article of a MediaWiki XML dump (``.xml`` or
+    ``.xml.bz2``), in file order: namespace 0 only, redirects skipped, markup stripped with
+    :func:`strip_wiki_markup`, articles shorter than ``MIN_ARTICLE_CHARS`` skipped."""
+    import xml.etree.ElementTree as ET
+    path = Path(path)
+    opener = bz2.open if path.suffix == ".bz2" else open
+    with opener(path, "rb") as f:
+        for _, elem in ET.iterparse(f, events=("end",)):
+            if _NS.sub("", elem.tag) != "page":
+                continue
+            fields = {_NS.sub("", c.tag): c for c in elem}
+            ns = fields.get("ns")
+            rev = fields.get("revision")
+            text_el = None
+            if rev is not None:
+                for c in rev:
+                    if _NS.sub("", c.tag) == "text":
+                        text_el = c
+            title = fields["title"].text if "title" in fields else ""
+            ok = (ns is not None and (ns.text or "").strip() == "0" and "redirect" not in fields
+                  and text_el is not None and text_el.text
+                  and not text_el.text.lstrip().lower().startswith("#redirect"))
+            if ok:
+                text = strip_wiki_markup(text_el.text)
+                if len(text) >= MIN_ARTICLE_CHARS:
+                    yield title or "", text
+            elem.clear()
+
+
+def _remove_balanced(text: str, open_: str, close: str, keep=None) -> str:
+    """Removes every balanced ``open_ … close`` span (nested spans included). ``keep(inner)``,
+    when given, returns a replacement for a span (``None`` removes it)."""
+    out = []
+    i = 0
+    n = len(text)
+    lo, lc = len(open_), len(close)
+    while i < n:
+        j = text.find(open_, i)
+        if j < 0:
+            out.append(text[i:])
+            break
+        out.append(text[i:j])
+        depth = 0
+        k = j
+        while k < n:
+            if text.startswith(open_, k):
+                depth += 1
+                k += lo
+            elif text.startswith(close, k):
+                depth -= 1
+                k += lc
+                if depth == 0:
+                    break
+            else:
+                k += 1
+        inner = text[j + lo:k - lc] if depth == 0 else text[j + lo:]
+        if keep is not None:
+            rep = keep(inner)
+            if rep:
+                out.append(rep)
+        i = k
+    return "".join(out)
+
+
+_DROP_LINK_NS = re.compile(r"^\s*:?\s*(file|image|media|category|wikipedia|wp|template|help|"
+                           r"portal|special|user|talk|wikt|[a-z]{2,3}(-[a-z]+)?)\s*:", re.I)
+_LINK = re.compile(r"\[\[([^\[\]|]*)\|?([^\[\]]*)\]\]")
+_EXTLINK = re.compile(r"\[(?:https?|ftp)://[^\s\]]*\s*([^\]]*)\]")
+_REF = re.compile(r"<ref[^>]*/>|<ref[^>]*>.*?</ref>", re.S | re.I)
+_COMMENT = re.compile(r"<!--.*?-->", re.S)
+_BLOCK_TAGS = re.compile(r"<(math|gallery|timeline|score|syntaxhighlight|source|pre|imagemap)"
+                         r"[^>]*>.*?</\1>", re.S | re.I)
+_TAG = re.compile(r"</?[a-zA-Z][^>]*>")
+_HEADING = re.compile(r"^\s*=+\s*(.*?)\s*=+\s*$", re.M)
+_LIST = re.compile(r"^[*#:;]+\s*", re.M)
+_MAGIC = re.compile(r"__[A-Z]+__")
+
+
+def _link_text(inner: str) -> str | None:
+    if _DROP_LINK_NS.match(inner):
+        return None
+    return "[[" + inner + "]]"  # plain links are rewritten afterwards by _LINK
+
+
+def strip_wiki_markup(text: str) -> str:
+    """Wiki markup → plain text, reasonably: drops comments, ``<ref>``s, templates ``{{…}}``,
+    tables ``{|…|}``, file/category/interlanguage links and math/gallery blocks; ``[[a|b]]`` →
+    ``b``, ``[[a]]`` → ``a``, ``[http://x text]`` → ``text``; headings ``== H ==`` → ``H``; bold,
+    italics, list markers and HTML tags removed; HTML entities decoded; runs of blank lines
+    collapsed. Not a full MediaWiki parser."""
+    t = _COMMENT.sub("", text)
+    t = _REF.sub("", t)
+    t = _BLOCK_TAGS.sub("", t)
+    t = _remove_balanced(t, "{{", "}}")
+    t = _remove_balanced(t, "{|", "|}")
+    t = _remove_balanced(t, "[[", "]]", keep=_link_text)
+    for _ in range(3):  # nested plain links inside kept captions
+        t2 = _LINK.sub(lambda m: m.group(2) or m.group(1), t)
+        if t2 == t:
+            break
+        t = t2
+    t = _EXTLINK.sub(lambda m: m.group(1), t)
+    t = _HEADING.sub(lambda m: m.group(1), t)
+    t = t.replace("'''", "").replace("''", "")
+    t = _TAG.sub("", t)
+    t = _MAGIC.sub("", t)
+    t = html.unescape(t)
+    t = _LIST.sub("", t)
+    lines = [ln.strip() for ln in t.split("\n")]
+    t = "\n".join(lines)
+    t = re.sub(r"\n{3,}", "\n\n", t)
+    t = re.sub(r"[ \t\u00a0]{2,}", " ", t)
+    return t.strip()
+
+
+# ------------------------------------------------------------------------------------ sources
+def _read_txt(path: Path) -> list[str]:
+    text = path.read_text(encoding="utf-8")
+    docs = [d.strip() for d in re.split(r"\n[ \t]*\n[ \t]*\n+", text)]
+    return [d for d in docs if d]
+
+
+def _read_jsonl(path: Path) -> list[str]:
+    docs = []
+    with open(path, encoding="utf-8") as f:
+        for i, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DatasetError(f"{path}:{i}: not JSON ({e})") from None
+            if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
+                raise DatasetError(f"{path}:{i}: expected an object with a string \"text\" field")
+            if obj["text"].strip():
+                docs.append(obj["text"])
+    return docs
+
+
+def _read_parquet(path: Path) -> list[str]:
+    import pyarrow.parquet as pq
+    table = pq.read_table(path)
+    if "text" not in table.column_names:
+        raise DatasetError(f"{path} has no \"text\" column (columns: {table.column_names})")
+    return [t for t in table.column("text").to_pylist() if isinstance(t, str) and t.strip()]
+
+
+def _read_hub(name: str) -> list[str]:
+    try:
+        import datasets  # optional
+    except ImportError:
+        raise DatasetError(f"source {name!r} is not a local file; loading it from the Hugging "
+                           "Face hub needs the `datasets` package (pip install datasets), or pass "
+                           "a local .txt/.jsonl/.parquet file or 'enwiki'") from None
+    repo, _, config = name.partition(":")
+    try:
+        ds = datasets.load_dataset(repo, config or None, split="train")
+    except Exception as e:  # offline, unknown name, ...
+        raise DatasetError(f"could not load hub dataset {name!r} ({type(e).__name__}: {e}); "
+                           "is the hub reachable? Use a local file or 'enwiki' offline") from None
+    if "text" not in ds.column_names:
+        raise DatasetError(f"hub dataset {name!r} has no \"text\" column ({ds.column_names})")
+    return [t for t in ds["text"] if isinstance(t, str) and t.strip()]
+
+
+def read_documents(source: str | os.PathLike) -> tuple[list[str], str]:
+    """Reads a source into a list of documents (strings, file order) and a canonical source
+    description for meta.json. See the module docstring for the sources.
+
+    Raises DatasetError (unreadable source, missing ``text`` field/column, no documents)."""
+    s = str(source)
+    if s == DEFAULT_SOURCE:
+        path = fetch_enwiki()
+        docs = [text for _, text in iter_wiki_articles(path)]
+        desc = f"enwiki (gensim=={GENSIM_VERSION}:{Path(ENWIKI_MEMBER).name}, sha256 {ENWIKI_SHA256})"
+    else:
+        p = Path(s).expanduser()
+        hub = s[3:] if s.startswith("hf:") else None
+        if hub is None and p.is_file():
+            suffix = p.suffix.lower()
+            if suffix == ".txt":
+                docs = _read_txt(p)
+            elif suffix == ".jsonl":
+                docs = _read_jsonl(p)
+            elif suffix == ".parquet":
+                docs = _read_parquet(p)
+            else:
+                raise DatasetError(f"{p}: unsupported file type {suffix!r} "
+                                   "(expected .txt, .jsonl or .parquet)")
+            desc = f"{p.resolve()} (sha256 {_sha256_file(p)})"
+        elif hub is None and (p.suffix.lower() in (".txt", ".jsonl", ".parquet") or os.sep in s):
+            raise DatasetError(f"source file {p} does not exist")
+        else:
+            hub = hub or s
+            docs = _read_hub(hub)
+            desc = f"hf:{hub}"
+    if not docs:
+        raise DatasetError(f"source {s!r} holds no documents")
+    return docs, desc
+
+
+# -------------------------------------------------------------------------------- tokenizing
+def tokenizer_fingerprint(tokenizer) -> dict:
+    """``{"name", "vocab_size", "eos_token_id", "sha256"}`` of a transformers tokenizer; the hash
+    covers the vocabulary (token → id) and the EOS id, enough to tell tokenizers apart."""
+    vocab = tokenizer.get_vocab()
+    h = hashlib.sha256()
+    for tok, idx in sorted(vocab.items(), key=lambda kv: kv[1]):
+        h.update(f"{idx}\t{tok}\n".encode("utf-8", "surrogatepass"))
+    h.update(f"eos={tokenizer.eos_token_id}".encode())
+    return {"name": str(getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__),
+            "vocab_size": len(vocab), "eos_token_id": tokenizer.eos_token_id,
+            "sha256": h.hexdigest()}
+
+
+def _token_stream(tokenizer, docs: Sequence[str], eos: int, n_tokens: int | None,
+                  batch: int = 64) -> tuple[list[int], int]:
+    """Concatenates tokenized ``docs`` with ``eos`` between consecutive documents; stops once
+    ``n_tokens`` tokens are gathered (None: all). Returns (ids, documents used)."""
+    ids: list[int] = []
+    used = 0
+    for start in range(0, len(docs), batch):
+        chunk = list(docs[start:start + batch])
+        enc = tokenizer(chunk, add_special_tokens=False)["input_ids"]
+        for toks in enc:
+            if used:
+                ids.append(eos)
+            ids.extend(toks)
+            used += 1
+            if n_tokens is not None and len(ids) >= n_tokens:
+                return ids, used
+    return ids, used
+
+
+def _blocks(ids: list[int], seq_len: int, n_blocks: int | None) -> torch.Tensor:
+    n = len(ids) // seq_len if n_blocks is None else n_blocks
+    return torch.tensor(ids[:n * seq_len], dtype=torch.long).reshape(n, seq_len)
+
+
+def build_dataset(tokenizer, source: str | os.PathLike = DEFAULT_SOURCE,
+                  output_dir: str | os.PathLike = "data", seq_len: int = 512,
+                  n_train_blocks: int | None = 128, n_eval_blocks: int = 16,
+                  seed: int = 0) -> dict:
+    """Builds a dataset folder (``train.pt``, ``eval.pt``, ``meta.json``) and returns the meta.
+
+    ``tokenizer``: a transformers tokenizer with an EOS token. ``seq_len``: tokens per block.
+    ``n_train_blocks``: train blocks (None: every block the train documents give);
+    ``n_eval_blocks``: eval blocks (may be 0). Documents are shuffled with ``seed``; eval takes
+    leading documents until it has ``n_eval_blocks * seq_len`` tokens, train the documents after
+    them, so no document is in both. Same tokenizer, source, sizes and seed → identical files.
+
+    Raises DatasetError when the source is unreadable or too small for the requested blocks,
+    ValueError for bad sizes or a tokenizer without EOS. Files are written atomically; meta.json
+    is written last, so a folder with a meta.json is complete."""
+    if seq_len < 2:
+        raise ValueError(f"seq_len must be at least 2, got {seq_len}")
+    if n_eval_blocks < 0 or (n_train_blocks is not None and n_train_blocks < 1):
+        raise ValueError(f"need n_train_blocks >= 1 and n_eval_blocks >= 0, got "
+                         f"{n_train_blocks}, {n_eval_blocks}")
+    eos = tokenizer.eos_token_id
+    if eos is None:
+        raise ValueError("the tokenizer has no EOS token; Voodoo puts EOS between documents")
+    docs, desc = read_documents(source)
+    order = np.random.default_rng(seed).permutation(len(docs))
+    shuffled = [docs[i] for i in order]
+
+    n_eval_tok = n_eval_blocks * seq_len
+    if n_eval_blocks:
+        eval_ids, n_eval_docs = _token_stream(tokenizer, shuffled, eos, n_eval_tok)
+        if len(eval_ids) < n_eval_tok:
+            raise DatasetError(f"{desc}: all {len(docs)} documents give {len(eval_ids)} tokens, "
+                               f"fewer than the {n_eval_tok} that {n_eval_blocks} eval blocks "
+                               f"of {seq_len} need")
+        if n_eval_docs >= len(docs):
+            raise DatasetError(f"{desc}: eval needs all {len(docs)} documents; none left for "
+                               "train (ask for fewer eval blocks or a bigger source)")
+    else:
+        eval_ids, n_eval_docs = [], 0
+    train_docs = shuffled[n_eval_docs:]
+    n_train_tok = None if n_train_blocks is None else n_train_blocks * seq_len
+    train_ids, n_train_docs = _token_stream(tokenizer, train_docs, eos, n_train_tok)
+    if n_train_tok is not None and len(train_ids) < n_train_tok:
+        raise DatasetError(f"{desc}: the {len(train_docs)} train documents give "
+                           f"{len(train_ids)} tokens, fewer than the {n_train_tok} that "
+                           f"{n_train_blocks} train blocks of {seq_len} need")
+    train = _blocks(train_ids, seq_len, n_train_blocks)
+    if train.shape[0] == 0:
+        raise DatasetError(f"{desc}: not enough train tokens for one block of {seq_len}")
+    evalb = _blocks(eval_ids, seq_len, n_eval_blocks)
+
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "meta.json").unlink(missing_ok=True)  # the folder is incomplete until meta is back
+    _atomic_torch_save(train, out / "train.pt")
+    _atomic_torch_save(evalb, out / "eval.pt")
+    meta = {
+        "format": DATASET_FORMAT,
+        "tokenizer": tokenizer_fingerprint(tokenizer),
+        "source": desc,
+        "seed": seed,
+        "seq_len": seq_len,
+        "n_train_blocks": int(train.shape[0]),
+        "n_eval_blocks": int(evalb.shape[0]),
+        "n_documents": len(docs),
+        "n_eval_documents": n_eval_docs,
+        "n_train_documents": n_train_docs,
+        # documents in file order: eval = these indices, train = the next n_train_documents
+        # of the seed's permutation
+        "eval_document_indices": sorted(int(i) for i in order[:n_eval_docs]),
+        "train_document_indices": sorted(int(i) for i in order[n_eval_docs:
+                                                                 n_eval_docs + n_train_docs]),
+        "separator": "eos",
+        "bos": False,
+        "files": {"train.pt": _sha256_file(out / "train.pt"),
+                  "eval.pt": _sha256_file(out / "eval.pt")},
+    }
+    _atomic_write_bytes(out / "meta.json", (json.dumps(meta, indent=1) + "\n").encode())
+    return meta
+
+
+def load_dataset_dir(data_dir: str | os.PathLike,
+                     verify: bool = True) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """Loads a folder written by :func:`build_dataset`.
+
+    Returns ``(train, eval, meta)``: LongTensors ``(n_train, seq_len)`` and ``(n_eval, seq_len)``
+    and the meta dict. ``verify`` checks the files' sha256 against meta.json. Raises DatasetError
+    when the folder, meta.json or a .pt file is missing, a checksum differs, or a tensor has the
+    wrong dtype or shape."""
+    d = Path(data_dir)
+    meta_path = d / "meta.json"
+    if not meta_path.is_file():
+        raise DatasetError(f"{d} is not a dataset folder (no meta.json); build it with "
+                           "voodoo.data.build_dataset")
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DatasetError(f"{meta_path} is corrupt ({e})") from None
+    tensors = []
+    for name, n_key in (("train.pt", "n_train_blocks"), ("eval.pt", "n_eval_blocks")):
+        p = d / name
+        if not p.is_file():
+            raise DatasetError(f"{p} is missing")
+        if verify and _sha256_file(p) != meta.get("files", {}).get(name):
+            raise DatasetError(f"{p} does not match the sha256 in meta.json (corrupt or "
+                               "overwritten); rebuild the dataset")
+        try:
+            t = torch.load(p, map_location="cpu", weights_only=True)
+        except Exception as e:
+            raise DatasetError(f"{p} cannot be read ({type(e).__name__}: {e})") from None
+        want = (meta.get(n_key), meta.get("seq_len"))
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.long or tuple(t.shape) != want:
+            raise DatasetError(f"{p}: expected a LongTensor of shape {want}, got "
+                               f"{getattr(t, 'dtype', type(t))} {tuple(getattr(t, 'shape', ()))}")
+        tensors.append(t)
+    return tensors[0], tensors[1], meta
+
+
+def iter_batches(blocks: torch.Tensor, batch_size: int) -> Iterable[torch.Tensor]:
+    """Yields consecutive ``(≤batch_size, seq_len)`` slices of ``blocks`` (no shuffling)."""
+    for i in range(0, blocks.shape[0], batch_size):
+        yield blocks[i:i + batch_size]
