@@ -48,3 +48,27 @@ def wikitext_test() -> Path:
     if not WIKITEXT_TEST.is_file():
         pytest.skip(f"{WIKITEXT_TEST} not present")
     return WIKITEXT_TEST
+
+
+# ---------------------------------------------------------------- tiny llama (voodoo.models)
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """A tiny random LlamaForCausalLM HF folder (hidden 256, 2 layers, 4 heads / 2 KV heads,
+    SmolLM2's tokenizer, tied embeddings, seed 0) that llama.cpp's converter accepts; a few
+    seconds (plus ~10 s once per cache to extract the tokenizer)."""
+    from voodoo.models import make_tiny_model
+    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny-llama", seed=0,
+                           tokenizer_gguf=SMOL_GGUF if SMOL_GGUF.is_file() else None)
+
+
+@pytest.fixture(scope="session")
+def tiny_prepared(tiny_model_dir, tmp_path_factory):
+    """``prepare_model(tiny_model_dir)``: the tiny model with its base F32 GGUF made by the
+    pinned llama.cpp's convert_hf_to_gguf.py (~10 s; skips when the source is not fetched)."""
+    from voodoo.llamacpp import LlamaCppNotBuilt, source_dir
+    try:
+        source_dir()
+    except LlamaCppNotBuilt as e:
+        pytest.skip(str(e))
+    from voodoo.models import prepare_model
+    return prepare_model(tiny_model_dir, work_dir=tmp_path_factory.mktemp("tiny-work"))

