@@ -1,0 +1,136 @@
+"""``voodoo doctor``: what this machine has for Voodoo, and a self-check of the libggml bridge.
+
+Prints Python, torch, CUDA/ROCm and the GPUs seen, Ray (and the cluster's resources when
+connected), the libggml path and llama.cpp commit, which llama.cpp tools are built, the cache
+folders, the vendor environment defaults for multi-GPU runs, and quantizes a small tensor to
+every type, comparing the dequantized values with ``gguf.quants.dequantize`` bit for bit.
+Exit status 0 when everything needed is there, 1 otherwise (each problem says what to do).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+
+import numpy as np
+
+from . import llamacpp
+
+SELF_CHECK_TYPES = ("Q8_0", "Q6_K", "Q5_K", "Q4_K", "IQ4_XS", "Q3_K", "IQ3_S", "IQ3_XXS", "Q2_K",
+                    "IQ2_S", "IQ2_XS", "IQ2_XXS", "IQ1_M", "IQ1_S", "IQ4_NL", "Q5_1", "Q5_0",
+                    "Q4_1", "Q4_0")
+
+
+def vendor_env() -> dict[str, str]:
+    """Environment defaults Voodoo applies to multi-GPU runs (``voodoo tp``): NVLink multicast
+    off (NCCL/PyTorch/NVSHMEM), the expandable-segments allocator; RCCL settings on ROCm."""
+    env = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
+           "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+           "NVSHMEM_DISABLE_NVLS": "1", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
+    try:
+        import torch
+        if getattr(torch.version, "hip", None):
+            env.pop("PYTORCH_CUDA_ALLOC_CONF")
+            env.update({"PYTORCH_HIP_ALLOC_CONF": "expandable_segments:True",
+                        "RCCL_MSCCL_ENABLE": "0", "HSA_FORCE_FINE_GRAIN_PCIE": "1"})
+    except ImportError:
+        pass
+    return env
+
+
+def self_check() -> list[str]:
+    """Quantizes a (4, 512) tensor to every type in :data:`SELF_CHECK_TYPES` and compares the
+    dequantized values with gguf-py's. Returns a list of problems (empty when all agree)."""
+    import cython_ggml as cg
+    from gguf import GGMLQuantizationType as T
+    from gguf.quants import dequantize as gdq
+
+    cg.check_abi()
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal((4, 512)) * 0.05).astype(np.float32)
+    im = (rng.random(512) + 0.1).astype(np.float32)
+    bad = []
+    for name in SELF_CHECK_TYPES:
+        q = cg.quantize(x, name, imatrix=im)
+        ours = cg.dequantize(q, name, 512)
+        ref = gdq(q, T[name]).reshape(ours.shape).astype(np.float32)
+        if not np.array_equal(ours.view(np.uint32), ref.view(np.uint32)):
+            bad.append(f"{name}: dequantized values differ from gguf.quants.dequantize")
+    return bad
+
+
+def run(out=sys.stdout) -> int:
+    problems: list[str] = []
+
+    def line(k, v):
+        print(f"  {k:<22} {v}", file=out)
+
+    print("voodoo doctor", file=out)
+    line("python", f"{platform.python_version()} ({sys.executable})")
+    line("platform", f"{platform.platform()}, {os.cpu_count()} cores")
+    try:
+        import torch
+        line("torch", torch.__version__)
+        if torch.cuda.is_available():
+            kind = "ROCm " + torch.version.hip if getattr(torch.version, "hip", None) \
+                else "CUDA " + str(torch.version.cuda)
+            gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+            line("accelerator", f"{kind}: {len(gpus)} GPU(s): {', '.join(gpus)}")
+        else:
+            line("accelerator", "none (CPU only: gate training runs on the CPU in float32)")
+    except ImportError:
+        problems.append("torch is not installed: pip install -e .")
+    for mod in ("transformers", "gguf", "pyarrow"):
+        try:
+            m = __import__(mod)
+            line(mod, getattr(m, "__version__", "installed"))
+        except ImportError:
+            problems.append(f"{mod} is not installed: pip install -e .")
+    try:
+        import ray
+        line("ray", ray.__version__)
+        if ray.is_initialized():
+            line("ray cluster", ray.cluster_resources())
+        elif os.environ.get("RAY_ADDRESS"):
+            line("ray cluster", f"RAY_ADDRESS={os.environ['RAY_ADDRESS']} (not connected)")
+        else:
+            line("ray cluster", "not connected (a local ray.init() is used by default)")
+    except ImportError:
+        problems.append("ray is not installed: pip install -e . (ray[train,tune]>=2.51)")
+
+    line("llama.cpp commit", llamacpp.llama_cpp_commit() + (
+        "" if not os.environ.get("VOODOO_LLAMA_CPP_COMMIT") else " (VOODOO_LLAMA_CPP_COMMIT)"))
+    line("cache", str(llamacpp.cache_root()))
+    try:
+        import cython_ggml
+        line("libggml-base", cython_ggml.library_path())
+    except ImportError as e:
+        problems.append(f"cython_ggml cannot load libggml-base: {e}")
+        cython_ggml = None
+    tools = llamacpp.tools_status()
+    for t, p in tools.items():
+        line(t, p or "MISSING")
+    if not all(tools.values()):
+        problems.append("llama.cpp tools are missing: run `voodoo bootstrap` (about 15 min on 2 "
+                        "cores, once) or set VOODOO_LLAMA_CPP=/path/to/llama.cpp/build")
+    for k, v in vendor_env().items():
+        line(f"env {k}", f"{os.environ.get(k, '(unset)')} (voodoo tp sets {v})")
+    if cython_ggml is not None:
+        try:
+            bad = self_check()
+        except Exception as e:  # noqa: BLE001 - reported, not raised
+            bad = [f"self-check crashed: {e}"]
+        if bad:
+            problems += bad
+            line("self-check", "FAILED")
+        else:
+            line("self-check", f"OK: {len(SELF_CHECK_TYPES)} types quantized by libggml, "
+                               "dequantized bit-exactly as gguf.quants")
+    if problems:
+        print("\nproblems:", file=out)
+        for p in problems:
+            print(f"  - {p}", file=out)
+        return 1
+    print("\nall good", file=out)
+    return 0
