@@ -1,0 +1,448 @@
+"""Gated mixed-quant modules: each selectable tensor becomes a softmax mixture of its candidates.
+
+A selectable weight tensor ``W`` (``(n_rows, n_per_row)`` = torch's ``(out_features,
+in_features)``; ``(n_vocab, n_embd)`` for the embedding) is replaced by K candidates ``W_k`` --
+the weights quantized to the K types of its menu and dequantized exactly as llama.cpp would,
+in HF layout -- and K gate logits ``z``::
+
+    p = softmax(z / T)            # (K,)  T: temperature, annealed by the trainer
+    W = sum_k p_k W_k             # (n_rows, n_per_row)
+
+The mixture is computed inside custom autograd functions (:class:`_MixLinearFn`,
+:class:`_MixEmbeddingFn`) that keep no K-fold copy in the autograd graph: backward recomputes
+``W`` from the candidates buffer (a reference, not a copy) and returns
+``dL/dp_k = <g^T x, W_k>`` (summed over tokens), from which autograd through the softmax gives
+``dL/dz``.
+
+One :class:`MixedWeight` holds a tensor's candidates and logits. The modules that use it
+(:class:`MixedQuantLinear`, :class:`MixedQuantEmbedding`) only reference it, so a tied token
+embedding and lm_head share one gate: both paths add to the same logits' gradient, and the
+tensor's bytes are counted once (GGUF stores ``token_embd.weight`` once for a tied head).
+
+Precision: gate logits are float32. Candidates may be stored bfloat16 (``--dtype``); the
+mixture and the gate gradient are then accumulated in float32, one candidate at a time, since
+the differences between high-bit candidates are below bfloat16's resolution of a dot product.
+
+No Ray, no architecture names here.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = [
+    "MixedWeight", "MixedQuantLinear", "MixedQuantEmbedding", "install_gates", "init_gates",
+    "mixed_weights", "gate_parameters", "gate_state", "load_gate_state", "set_temperature",
+    "model_expected_bytes", "GATE_INITS",
+]
+
+#: Gate initialisations understood by :func:`init_gates`.
+GATE_INITS = ("uniform", "budget")
+
+_EXACT = (torch.float32, torch.float64)
+
+
+# --------------------------------------------------------------------------- mixing kernels
+
+
+def _mix(probs: torch.Tensor, cand: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """``sum_k probs[k] * cand[k]``: probs (K,), cand (K, R, C) -> (R, C) in ``out_dtype``.
+
+    float32/64 candidates: one tensordot. Other dtypes (bf16/f16): accumulated in float32 one
+    candidate at a time (one (R, C) float32 temporary)."""
+    if cand.dtype in _EXACT:
+        return torch.tensordot(probs.to(cand.dtype), cand, dims=1).to(out_dtype)
+    p = probs.float()
+    w = cand[0].float() * p[0]
+    for k in range(1, cand.shape[0]):
+        w.add_(cand[k].float() * p[k])
+    return w.to(out_dtype)
+
+
+def _dots(cand: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """``<cand[k], g>`` for each k: cand (K, R, C), g (R, C) float32 -> (K,) float32."""
+    if cand.dtype in _EXACT:
+        return (cand.flatten(1) @ g.flatten().to(cand.dtype)).float()
+    gf = g.flatten()
+    return torch.stack([torch.dot(cand[k].flatten().float(), gf) for k in range(cand.shape[0])])
+
+
+class _MixLinearFn(torch.autograd.Function):
+    """``y = x @ (sum_k p_k W_k).T + b``.
+
+    Inputs: x (..., in), probs (K,) float32, candidates (K, out, in) (a buffer, no grad),
+    bias (out,) or None. Output (..., out) in x's dtype. Saves x, probs and a reference to the
+    candidates; backward recomputes W."""
+
+    @staticmethod
+    def forward(ctx, x, probs, cand, bias):
+        w = _mix(probs, cand, x.dtype)  # (out, in)
+        y = F.linear(x, w, None if bias is None else bias.to(x.dtype))
+        ctx.save_for_backward(x, probs, cand)
+        ctx.has_bias = bias is not None
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        x, probs, cand = ctx.saved_tensors
+        gx = gp = gb = None
+        if ctx.needs_input_grad[0]:
+            gx = g @ _mix(probs, cand, g.dtype)  # (..., in)
+        g2 = g.reshape(-1, g.shape[-1])  # (N, out)
+        if ctx.needs_input_grad[1]:
+            x2 = x.reshape(-1, x.shape[-1])  # (N, in)
+            gtx = g2.float().T @ x2.float()  # (out, in) = sum over tokens of g^T x
+            gp = _dots(cand, gtx).to(probs.dtype)  # (K,)
+        if ctx.has_bias and ctx.needs_input_grad[3]:
+            gb = g2.sum(0)
+        return gx, gp, None, gb
+
+
+class _MixEmbeddingFn(torch.autograd.Function):
+    """``e = (sum_k p_k W_k)[ids]``, gathering only the rows of ``ids``.
+
+    Inputs: ids (...) int64, probs (K,) float32, candidates (K, n_vocab, n_embd), out dtype.
+    Output (..., n_embd). Backward: ``dL/dp_k = sum_t <g_t, W_k[ids_t]>``."""
+
+    @staticmethod
+    def forward(ctx, ids, probs, cand, out_dtype):
+        if cand.dtype in _EXACT:
+            e = torch.zeros(*ids.shape, cand.shape[-1], dtype=cand.dtype, device=cand.device)
+        else:
+            e = torch.zeros(*ids.shape, cand.shape[-1], dtype=torch.float32, device=cand.device)
+        for k in range(cand.shape[0]):
+            e.add_(F.embedding(ids, cand[k]).to(e.dtype) * probs[k].to(e.dtype))
+        ctx.save_for_backward(ids, probs, cand)
+        return e.to(out_dtype)
+
+    @staticmethod
+    def backward(ctx, g):
+        ids, probs, cand = ctx.saved_tensors
+        gp = None
+        if ctx.needs_input_grad[1]:
+            gf = g.float()
+            gp = torch.stack([(F.embedding(ids, cand[k]).float() * gf).sum()
+                              for k in range(cand.shape[0])]).to(probs.dtype)
+        return None, gp, None, None
+
+
+# --------------------------------------------------------------------------- modules
+
+
+class MixedWeight(nn.Module):
+    """One selectable tensor's candidates and gate.
+
+    Buffers (non-persistent, so they stay out of ``state_dict``):
+        candidates: (K, n_rows, n_per_row), HF layout, already dequantized; float32 or bf16.
+        nbytes: (K,) float32, bytes llama.cpp writes for the tensor as each candidate type
+            (from :func:`voodoo.quants.tensor_nbytes`).
+        temperature: () float32, set by :func:`set_temperature` (a tensor, so changing it does
+            not recompile under ``torch.compile``).
+    Parameter:
+        logits: (K,) float32 gate logits; ``probs() = softmax(logits / temperature)``.
+
+    Candidate k is menu entry k (menus run from most to fewest bits per weight).
+    """
+
+    def __init__(self, candidates: torch.Tensor, nbytes: Sequence[int] | None = None,
+                 gguf_name: str = "", types: Sequence[str] | None = None):
+        super().__init__()
+        if candidates.dim() != 3:
+            raise ValueError(f"{gguf_name}: candidates must be (K, n_rows, n_per_row), got "
+                             f"shape {tuple(candidates.shape)}")
+        k = candidates.shape[0]
+        if nbytes is not None and len(nbytes) != k:
+            raise ValueError(f"{gguf_name}: {len(nbytes)} byte sizes for {k} candidates")
+        if types is not None and len(types) != k:
+            raise ValueError(f"{gguf_name}: {len(types)} type names for {k} candidates")
+        self.gguf_name = gguf_name
+        self.types = list(types) if types is not None else None
+        self.register_buffer("candidates", candidates.detach(), persistent=False)
+        nb = torch.tensor([float("nan")] * k if nbytes is None else [float(b) for b in nbytes],
+                          dtype=torch.float32, device=candidates.device)
+        self.register_buffer("nbytes", nb, persistent=False)
+        self.register_buffer("temperature", torch.ones((), dtype=torch.float32,
+                                                       device=candidates.device),
+                             persistent=False)
+        self.logits = nn.Parameter(torch.zeros(k, dtype=torch.float32, device=candidates.device))
+
+    @property
+    def k(self) -> int:
+        return self.candidates.shape[0]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(n_rows, n_per_row)."""
+        return tuple(self.candidates.shape[1:])
+
+    def probs(self) -> torch.Tensor:
+        """(K,) float32, ``softmax(logits / temperature)``; differentiable in the logits."""
+        return torch.softmax(self.logits / self.temperature, dim=0)
+
+    def expected_bytes(self) -> torch.Tensor:
+        """() float32, ``sum_k p_k * bytes_k`` in bytes; differentiable in the logits.
+
+        Raises ValueError if the byte sizes were not given."""
+        if torch.isnan(self.nbytes).any():
+            raise ValueError(f"{self.gguf_name}: no byte sizes were given for the candidates")
+        return (self.probs() * self.nbytes).sum()
+
+    @torch.no_grad()
+    def weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The current mixed weight (n_rows, n_per_row), detached (for inspection)."""
+        return _mix(self.probs(), self.candidates, dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.gguf_name!r}, K={self.k}, shape={self.shape}"
+
+
+class MixedQuantLinear(nn.Module):
+    """A Linear whose weight is a gated mixture of K candidates.
+
+    ``y = x @ (sum_k p_k W_k).T + bias``: x (..., in_features) -> y (..., out_features) in
+    x's dtype. ``mixed`` is either a :class:`MixedWeight` (shared, e.g. a tied lm_head using
+    the token embedding's gate) or a candidates tensor (K, out, in), in which case a new
+    MixedWeight is made from it, ``nbytes``, ``gguf_name`` and ``types``. The bias, if any, is
+    a frozen buffer.
+    """
+
+    def __init__(self, mixed: MixedWeight | torch.Tensor, bias: torch.Tensor | None = None,
+                 nbytes: Sequence[int] | None = None, gguf_name: str = "",
+                 types: Sequence[str] | None = None):
+        super().__init__()
+        if not isinstance(mixed, MixedWeight):
+            mixed = MixedWeight(mixed, nbytes, gguf_name, types)
+        self.mixed = mixed
+        self.out_features, self.in_features = mixed.shape
+        if bias is not None:
+            bias = bias.detach()
+        self.register_buffer("bias", bias)
+
+    # Convenience views of the shared holder.
+    @property
+    def logits(self) -> nn.Parameter:
+        return self.mixed.logits
+
+    @property
+    def candidates(self) -> torch.Tensor:
+        return self.mixed.candidates
+
+    @property
+    def temperature(self) -> torch.Tensor:
+        return self.mixed.temperature
+
+    def probs(self) -> torch.Tensor:
+        return self.mixed.probs()
+
+    def expected_bytes(self) -> torch.Tensor:
+        """Bytes, ``sum_k p_k bytes_k`` (see :meth:`MixedWeight.expected_bytes`)."""
+        return self.mixed.expected_bytes()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _MixLinearFn.apply(x, self.mixed.probs(), self.mixed.candidates, self.bias)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}")
+
+
+class MixedQuantEmbedding(nn.Module):
+    """An Embedding whose table is a gated mixture of K candidates (K, n_vocab, n_embd).
+
+    ids (...) int64 -> (..., n_embd) in ``dtype`` (the replaced embedding's dtype; default the
+    candidates' dtype). Only the looked-up rows are mixed. ``mixed`` as in
+    :class:`MixedQuantLinear`; pass the same MixedWeight to the tied lm_head.
+    """
+
+    def __init__(self, mixed: MixedWeight | torch.Tensor, nbytes: Sequence[int] | None = None,
+                 gguf_name: str = "", types: Sequence[str] | None = None,
+                 dtype: torch.dtype | None = None, padding_idx: int | None = None):
+        super().__init__()
+        if not isinstance(mixed, MixedWeight):
+            mixed = MixedWeight(mixed, nbytes, gguf_name, types)
+        self.mixed = mixed
+        self.num_embeddings, self.embedding_dim = mixed.shape
+        self.dtype = dtype or mixed.candidates.dtype
+        self.padding_idx = padding_idx
+
+    @property
+    def logits(self) -> nn.Parameter:
+        return self.mixed.logits
+
+    def probs(self) -> torch.Tensor:
+        return self.mixed.probs()
+
+    def expected_bytes(self) -> torch.Tensor:
+        return self.mixed.expected_bytes()
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return _MixEmbeddingFn.apply(ids, self.mixed.probs(), self.mixed.candidates, self.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}"
+
+
+# --------------------------------------------------------------------------- installing
+
+
+def _field(spec, name, default=None):
+    if isinstance(spec, Mapping):
+        return spec.get(name, default)
+    return getattr(spec, name, default)
+
+
+def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, child, module)
+
+
+def install_gates(model: nn.Module, specs, candidates: Mapping[str, torch.Tensor],
+                  bytes_table: Mapping[str, Sequence[int]], *,
+                  menus: Mapping[str, Sequence[str]] | None = None, init: str = "uniform",
+                  init_bpw: float | None = None, init_strength: float = 2.0,
+                  freeze: bool = True) -> dict[str, MixedWeight]:
+    """Replaces the selectable modules of a HF model by gated mixed-quant modules, in place.
+
+    Args:
+        model: a transformers model (any nn.Module addressed by module names).
+        specs: TensorSpec-like objects or dicts (``voodoo.arch``) with ``gguf_name``,
+            ``module_name`` and ``tied_to`` (other module names sharing the tensor, e.g. a tied
+            ``lm_head``). Each named module must be an ``nn.Linear`` or ``nn.Embedding``.
+        candidates: gguf_name -> (K, n_rows, n_per_row) tensor, HF layout (un-permuted with
+            ``adapter.gguf_rows_to_hf``), dequantized, on the model's device; float32 or bf16.
+        bytes_table: gguf_name -> K ints, bytes of the tensor as each candidate type.
+        menus: optional gguf_name -> K type names (kept on the MixedWeight for reporting).
+        init, init_bpw, init_strength: gate initialisation, see :func:`init_gates`.
+        freeze: set ``requires_grad=False`` on every parameter except the gate logits.
+
+    Returns gguf_name -> MixedWeight (sorted by name).
+
+    Raises ValueError if a module is missing or of another kind, or a candidate shape or count
+    does not match the module's weight / ``bytes_table``. Do not call the model's
+    ``tie_weights()`` afterwards: the replaced modules have no ``weight`` parameter.
+    """
+    out: dict[str, MixedWeight] = {}
+    for spec in specs:
+        name = _field(spec, "gguf_name")
+        if name not in candidates:
+            raise ValueError(f"no candidates for selectable tensor {name}")
+        mw = MixedWeight(candidates[name], bytes_table[name], name,
+                         None if menus is None else menus[name])
+        modules = [_field(spec, "module_name")] + list(_field(spec, "tied_to", None) or [])
+        for mod_name in modules:
+            try:
+                old = model.get_submodule(mod_name)
+            except AttributeError as e:
+                raise ValueError(f"{name}: model has no module {mod_name!r}") from e
+            if isinstance(old, nn.Embedding):
+                new = MixedQuantEmbedding(mw, dtype=old.weight.dtype,
+                                          padding_idx=old.padding_idx)
+                want = (old.num_embeddings, old.embedding_dim)
+            elif isinstance(old, nn.Linear):
+                new = MixedQuantLinear(mw, old.bias)
+                want = (old.out_features, old.in_features)
+            else:
+                raise ValueError(f"{name}: module {mod_name!r} is a {type(old).__name__}, "
+                                 f"expected nn.Linear or nn.Embedding")
+            if tuple(mw.shape) != want:
+                raise ValueError(f"{name}: candidates are {tuple(mw.shape)} per type but module "
+                                 f"{mod_name!r} has weight {want}")
+            _set_submodule(model, mod_name, new)
+        out[name] = mw
+    out = dict(sorted(out.items()))
+    init_gates(out, init, init_bpw, init_strength)
+    if freeze:
+        for p in model.parameters():
+            p.requires_grad_(False)
+        for mw in out.values():
+            mw.logits.requires_grad_(True)
+    return out
+
+
+@torch.no_grad()
+def init_gates(mixed: Mapping[str, MixedWeight] | nn.Module, init: str = "uniform",
+               init_bpw: float | None = None, strength: float = 2.0) -> None:
+    """Sets the gate logits; deterministic (no randomness).
+
+    ``"uniform"``: all logits 0 (p_k = 1/K at any temperature).
+    ``"budget"``: a prior toward the budget, ``z_k = -strength * |bpw_k - init_bpw|`` with
+    ``bpw_k = 8 * bytes_k / (n_rows * n_per_row)`` (bits per weight) -- so every tensor starts
+    near the types whose size matches the budget's bits per weight, the expected size starts
+    near the budget and the size penalty does not dominate the first steps, while other types
+    keep some mass (at T=1 and strength 2, a type one bit away has e^-2 ~ 0.14 of the
+    nearest's weight). ``init_bpw`` is required (:func:`voodoo.budget.budget_bpw`).
+
+    Raises ValueError for an unknown ``init`` or a missing ``init_bpw``.
+    """
+    if isinstance(mixed, nn.Module):
+        mixed = mixed_weights(mixed)
+    if init not in GATE_INITS:
+        raise ValueError(f"unknown gate init {init!r}; choose one of {GATE_INITS}")
+    if init == "budget" and init_bpw is None:
+        raise ValueError("gate init 'budget' needs init_bpw (the budget in bits per weight)")
+    for mw in mixed.values():
+        if init == "uniform":
+            mw.logits.zero_()
+        else:
+            n = mw.shape[0] * mw.shape[1]
+            bpw = mw.nbytes.double() * 8.0 / n
+            mw.logits.copy_((-strength * (bpw - init_bpw).abs()).float())
+
+
+# --------------------------------------------------------------------------- model helpers
+
+
+def mixed_weights(model: nn.Module) -> dict[str, MixedWeight]:
+    """gguf_name -> MixedWeight for every gate in ``model``, each once, sorted by name."""
+    out = {m.gguf_name: m for m in model.modules() if isinstance(m, MixedWeight)}
+    return dict(sorted(out.items()))
+
+
+def gate_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The gate logits of ``model`` in gguf_name order (the optimizer's parameter order)."""
+    return [m.logits for m in mixed_weights(model).values()]
+
+
+def gate_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """gguf_name -> gate logits (K,) float32, detached CPU copies, sorted by name."""
+    return {n: m.logits.detach().float().cpu().clone() for n, m in mixed_weights(model).items()}
+
+
+@torch.no_grad()
+def load_gate_state(model: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
+    """Loads logits saved by :func:`gate_state`. Raises ValueError if the names or K differ."""
+    mws = mixed_weights(model)
+    if set(mws) != set(state):
+        missing, extra = sorted(set(mws) - set(state)), sorted(set(state) - set(mws))
+        raise ValueError(f"gate state does not match the model: missing {missing[:5]}, "
+                         f"unexpected {extra[:5]}")
+    for n, m in mws.items():
+        v = torch.as_tensor(state[n])
+        if v.shape != m.logits.shape:
+            raise ValueError(f"{n}: saved logits have shape {tuple(v.shape)}, gate has "
+                             f"{tuple(m.logits.shape)}")
+        m.logits.copy_(v.to(m.logits))
+
+
+@torch.no_grad()
+def set_temperature(model: nn.Module, t: float) -> None:
+    """Sets every gate's temperature (in place, no recompilation). Raises ValueError if t<=0."""
+    if not (t > 0 and math.isfinite(t)):
+        raise ValueError(f"temperature must be positive and finite, got {t}")
+    for m in mixed_weights(model).values():
+        m.temperature.fill_(t)
+
+
+def model_expected_bytes(model: nn.Module) -> torch.Tensor:
+    """() float32, total expected bytes of all selectable tensors (tied ones counted once);
+    differentiable in the gate logits."""
+    mws = list(mixed_weights(model).values())
+    if not mws:
+        raise ValueError("the model has no gates; call install_gates first")
+    return torch.stack([m.expected_bytes() for m in mws]).sum()
