@@ -1,0 +1,125 @@
+"""voodoo.bake: argmax, --tensor_upgrades guardrails, repair to the budget."""
+
+import json
+
+import pytest
+import torch
+
+from voodoo.bake import bake, parse_tensor_upgrades
+from voodoo.quants import DEFAULT_NON_ATTENTION_MENU, build_menu, tensor_nbytes
+
+
+def synthetic(n_layers=6, seed=0):
+    """Tensors of a small model-like shape set, real menus and sizes, random logits."""
+    g = torch.Generator().manual_seed(seed)
+    shapes = {}
+    for i in range(n_layers):
+        shapes[f"blk.{i}.attn_q.weight"] = (256, 256)
+        shapes[f"blk.{i}.attn_k.weight"] = (64, 256)
+        shapes[f"blk.{i}.ffn_up.weight"] = (768, 256)
+        shapes[f"blk.{i}.ffn_down.weight"] = (256, 768)
+    shapes["token_embd.weight"] = (2048, 256)
+    menus, nbytes, logits = {}, {}, {}
+    for n, (r, c) in shapes.items():
+        menus[n] = [q.name for q in build_menu(DEFAULT_NON_ATTENTION_MENU, c)]
+        nbytes[n] = [tensor_nbytes(t, r, c) for t in menus[n]]
+        logits[n] = torch.randn(len(menus[n]), generator=g) * 2
+    return logits, menus, nbytes
+
+
+def total_of(a):
+    return sum(t["bytes"] for t in a["tensors"].values())
+
+
+def test_argmax_when_it_fits():
+    logits, menus, nbytes = synthetic()
+    arg = {n: int(torch.argmax(z)) for n, z in logits.items()}
+    b = sum(nbytes[n][k] for n, k in arg.items())
+    a = bake(logits, menus, nbytes, b)
+    assert all(a["tensors"][n]["type"] == menus[n][k] for n, k in arg.items())
+    assert a["total_bytes"] == b == total_of(a) and a["budget_bytes"] == b
+    t = a["tensors"]["blk.0.attn_q.weight"]
+    assert set(t) == {"type", "bytes", "menu", "probs"}
+    assert sum(t["probs"]) == pytest.approx(1.0)
+    json.dumps(a)
+
+
+@pytest.mark.parametrize("frac", [0.2, 0.35, 0.5, 0.65, 0.8, 0.95])
+def test_repair_lands_within_tolerance(frac):
+    logits, menus, nbytes = synthetic()
+    lo = sum(min(b) for b in nbytes.values())
+    hi = sum(max(b) for b in nbytes.values())
+    budget = int(lo + frac * (hi - lo))
+    a = bake(logits, menus, nbytes, budget, tolerance=0.005)
+    assert a["total_bytes"] == total_of(a)
+    assert budget * 0.995 <= a["total_bytes"] <= budget * 1.005
+    assert bake(logits, menus, nbytes, budget) == a  # deterministic
+
+
+def test_repair_follows_the_gates():
+    """Over budget, the tensor whose gate is indifferent gives up bits first."""
+    menus = {"a": ["Q8_0", "Q4_0"], "b": ["Q8_0", "Q4_0"]}
+    nbytes = {"a": [1000, 500], "b": [1000, 500]}
+    logits = {"a": torch.tensor([5.0, 0.0]), "b": torch.tensor([0.1, 0.0])}
+    a = bake(logits, menus, nbytes, 1500, tolerance=0.0)
+    assert a["tensors"]["a"]["type"] == "Q8_0" and a["tensors"]["b"]["type"] == "Q4_0"
+
+
+def test_upgrades_move_and_guard():
+    logits, menus, nbytes = synthetic()
+    arg = {n: int(torch.argmax(z)) for n, z in logits.items()}
+    budget = sum(nbytes[n][k] for n, k in arg.items())
+    # +1 on ffn_down, -2 on attn_k; a generous tolerance so no repair is needed.
+    ups = json.dumps([{"pattern": r"ffn_down", "levels": 1}, {"pattern": r"attn_k", "levels": -2}])
+    a = bake(logits, menus, nbytes, budget, tensor_upgrades=ups, tolerance=0.5)
+    for n, k in arg.items():
+        want = k
+        if "ffn_down" in n:
+            want = max(k - 1, 0)
+        if "attn_k" in n:
+            want = min(k + 2, len(menus[n]) - 1)
+        assert a["tensors"][n]["type"] == menus[n][want], n
+    # Tight budget: the repair takes bits elsewhere and keeps ffn_down at or above its level.
+    b = bake(logits, menus, nbytes, budget, tensor_upgrades=ups, tolerance=0.005)
+    assert budget * 0.995 <= b["total_bytes"] <= budget * 1.005
+    for n, k in arg.items():
+        if "ffn_down" in n:
+            assert menus[n].index(b["tensors"][n]["type"]) <= max(k - 1, 0), n
+    # Clamped at the menu's top.
+    c = bake(logits, menus, nbytes, 10 ** 9, tensor_upgrades=[{"pattern": "", "levels": 99}],
+             tolerance=1.0)
+    assert all(t["type"] == t["menu"][0] for t in c["tensors"].values())
+
+
+@pytest.mark.parametrize("bad, msg", [
+    ("[{\"pattern\": \"ffn\", \"levels\": 1}", "not valid JSON"),
+    ('{"pattern": "ffn", "levels": 1}', "must be a JSON list"),
+    ('[{"pattern": "ffn[", "levels": 1}]', "bad regex"),
+    ('[{"pattern": "nomatch_xyz", "levels": 1}]', "matches no tensor"),
+    ('[{"pattern": "ffn", "levels": 1.5}]', "levels must be an integer"),
+    ('[{"pattern": "ffn", "levels": true}]', "levels must be an integer"),
+    ('[{"pattern": "ffn"}]', "exactly the keys"),
+    ('[{"pattern": 3, "levels": 1}]', "pattern must be a string"),
+])
+def test_upgrade_errors(bad, msg):
+    logits, menus, nbytes = synthetic(n_layers=1)
+    with pytest.raises(ValueError, match=msg):
+        bake(logits, menus, nbytes, 10 ** 6, tensor_upgrades=bad)
+
+
+def test_parse_upgrades_from_file(tmp_path):
+    p = tmp_path / "ups.json"
+    p.write_text('[{"pattern": "^blk\\\\.0\\\\.", "levels": -1}]')
+    rules = parse_tensor_upgrades(str(p))
+    assert rules[0][1] == -1 and rules[0][0].search("blk.0.ffn_up.weight")
+    assert parse_tensor_upgrades(None) == []
+
+
+def test_unreachable_and_mismatched_inputs():
+    logits, menus, nbytes = synthetic(n_layers=1)
+    lo = sum(min(b) for b in nbytes.values())
+    with pytest.raises(ValueError, match="unreachable"):
+        bake(logits, menus, nbytes, int(lo * 0.9))
+    del menus["token_embd.weight"]
+    with pytest.raises(ValueError, match="same tensors"):
+        bake(logits, menus, nbytes, lo)

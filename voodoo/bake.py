@@ -1,0 +1,196 @@
+"""Baking: trained gate logits -> one ggml type per tensor, within the size budget.
+
+Three steps, all deterministic:
+
+1. **argmax** of each tensor's gate.
+2. **guardrails** (``--tensor_upgrades``): a JSON list of ``{"pattern": regex, "levels": int}``.
+   Every tensor whose GGUF name matches ``pattern`` (``re.search``) moves ``levels`` rungs up
+   its own menu (positive: more bits) or down (negative), clamped to the menu's ends. Rules are
+   applied in order, each to the result of the previous one. The rung a rule leaves a tensor on
+   becomes a *guardrail*: an upgraded tensor is not moved below it, a downgraded one not above
+   it, by the repair step -- unless the budget cannot be met otherwise.
+3. **repair** to the budget: while the total is above ``budget * (1 + tolerance)``, take the
+   move down some tensor's menu with the smallest drop in gate log-probability per byte saved;
+   then, while below ``budget * (1 - tolerance)``, the move up with the largest gain (least
+   loss) in log-probability per byte spent that keeps the total at or under
+   ``budget * (1 + tolerance)``. Log-probabilities are ``log_softmax(logits / temperature)``.
+
+Stated tolerance: the total never exceeds ``budget * (1 + tolerance)`` (default 0.5%), and
+lands at or above ``budget * (1 - tolerance)`` whenever the menus' granularity allows (with
+many tensors it does; a model of a few tiny tensors may end slightly lower).
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import os
+import re
+from collections.abc import Mapping, Sequence
+
+import torch
+
+__all__ = ["bake", "parse_tensor_upgrades", "DEFAULT_TOLERANCE"]
+
+DEFAULT_TOLERANCE = 0.005
+
+
+def parse_tensor_upgrades(spec) -> list[tuple[re.Pattern, int]]:
+    """Parses ``--tensor_upgrades``: None, JSON text, a path to a JSON file, or an already
+    parsed list of ``{"pattern": str, "levels": int}``.
+
+    Returns [(compiled regex, levels)]. Raises ValueError on malformed JSON, a non-list, an
+    entry without exactly the keys ``pattern``/``levels``, a non-integer ``levels`` or an
+    invalid regex, each with a message naming the entry."""
+    if spec is None:
+        return []
+    if isinstance(spec, (str, bytes, os.PathLike)):
+        text = spec
+        if not isinstance(spec, bytes) and os.path.isfile(spec):
+            with open(spec) as f:
+                text = f.read()
+        try:
+            spec = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--tensor_upgrades is not valid JSON ({e}); expected a list like "
+                             f'[{{"pattern": "ffn_down", "levels": 1}}]') from None
+    if not isinstance(spec, list):
+        raise ValueError(f"--tensor_upgrades must be a JSON list of "
+                         f'{{"pattern": regex, "levels": int}}, got {type(spec).__name__}')
+    rules = []
+    for i, entry in enumerate(spec):
+        if not isinstance(entry, Mapping) or set(entry) != {"pattern", "levels"}:
+            raise ValueError(f"--tensor_upgrades entry {i} must be an object with exactly the "
+                             f'keys "pattern" and "levels", got {entry!r}')
+        pat, lev = entry["pattern"], entry["levels"]
+        if not isinstance(pat, str):
+            raise ValueError(f"--tensor_upgrades entry {i}: pattern must be a string, got {pat!r}")
+        if isinstance(lev, bool) or not isinstance(lev, int):
+            raise ValueError(f"--tensor_upgrades entry {i}: levels must be an integer, got {lev!r}")
+        try:
+            rx = re.compile(pat)
+        except re.error as e:
+            raise ValueError(f"--tensor_upgrades entry {i}: bad regex {pat!r}: {e}") from None
+        rules.append((rx, lev))
+    return rules
+
+
+def _type_name(t) -> str:
+    return getattr(t, "name", t)
+
+
+def bake(gate_logits: Mapping[str, Sequence[float] | torch.Tensor],
+         menus: Mapping[str, Sequence], bytes_table: Mapping[str, Sequence[int]],
+         budget: int, tensor_upgrades=None, tolerance: float = DEFAULT_TOLERANCE,
+         temperature: float = 1.0) -> dict:
+    """Chooses one type per tensor (see the module docstring for the rule).
+
+    Args:
+        gate_logits: gguf_name -> K logits (menu order).
+        menus: gguf_name -> K type names (or QuantType), most to fewest bits per weight.
+        bytes_table: gguf_name -> K sizes in bytes (``voodoo.quants.tensor_nbytes``).
+        budget: bytes, over these tensors.
+        tensor_upgrades: see :func:`parse_tensor_upgrades`.
+        tolerance: relative; the total ends at most ``budget * (1 + tolerance)``.
+        temperature: for the reported probs and the log-probabilities the repair ranks by.
+
+    Returns the assignment (``docs/contracts.md``)::
+
+        {"budget_bytes": int, "total_bytes": int,
+         "tensors": {gguf_name: {"type": str, "bytes": int, "menu": [str], "probs": [float]}}}
+
+    Raises ValueError if the inputs disagree (names, lengths), an upgrade rule is malformed or
+    matches no tensor, or even the smallest type of every tensor exceeds
+    ``budget * (1 + tolerance)``.
+    """
+    names = sorted(gate_logits)
+    if set(names) != set(menus) or set(names) != set(bytes_table):
+        raise ValueError("gate_logits, menus and bytes_table must name the same tensors")
+    if budget <= 0 or tolerance < 0:
+        raise ValueError(f"need budget > 0 and tolerance >= 0, got {budget}, {tolerance}")
+    lp, probs, nb, menu = {}, {}, {}, {}
+    for n in names:
+        z = torch.as_tensor(gate_logits[n], dtype=torch.float64).flatten() / temperature
+        menu[n] = [_type_name(t) for t in menus[n]]
+        nb[n] = [int(b) for b in bytes_table[n]]
+        if not (len(z) == len(menu[n]) == len(nb[n])) or len(z) == 0:
+            raise ValueError(f"{n}: {len(z)} logits, {len(menu[n])} menu types and "
+                             f"{len(nb[n])} sizes; they must match and be non-empty")
+        lp[n] = torch.log_softmax(z, 0).tolist()
+        probs[n] = torch.softmax(z, 0).tolist()
+
+    # 1. argmax (first maximum on ties: the type with more bits).
+    cur = {n: max(range(len(lp[n])), key=lambda k: (lp[n][k], -k)) for n in names}
+
+    # 2. guardrails. lo/hi: allowed index range during repair (0 = most bits).
+    lo = {n: 0 for n in names}
+    hi = {n: len(menu[n]) - 1 for n in names}
+    for rx, lev in parse_tensor_upgrades(tensor_upgrades):
+        hit = [n for n in names if rx.search(n)]
+        if not hit:
+            raise ValueError(f"--tensor_upgrades pattern {rx.pattern!r} matches no tensor "
+                             f"(names look like {names[0]!r})")
+        for n in hit:
+            cur[n] = min(max(cur[n] - lev, 0), len(menu[n]) - 1)
+            if lev > 0:
+                hi[n] = cur[n]
+            elif lev < 0:
+                lo[n] = cur[n]
+
+    # 3. repair.
+    upper = budget * (1.0 + tolerance)
+    lower = budget * (1.0 - tolerance)
+    total = sum(nb[n][cur[n]] for n in names)
+    full_lo = {n: 0 for n in names}
+    full_hi = {n: len(menu[n]) - 1 for n in names}
+
+    def moves_down(n, hi_):
+        c = cur[n]
+        for j in range(c + 1, hi_[n] + 1):
+            saved = nb[n][c] - nb[n][j]
+            if saved > 0:
+                yield ((lp[n][c] - lp[n][j]) / saved, n, j, c)
+
+    def moves_up(n, lo_):
+        c = cur[n]
+        for j in range(lo_[n], c):
+            spent = nb[n][j] - nb[n][c]
+            if spent > 0:
+                yield (-(lp[n][j] - lp[n][c]) / spent, n, j, c)
+
+    for hi_ in (hi, full_hi):  # guardrails first; dropped only if the budget needs it
+        if total <= upper:
+            break
+        heap = [m for n in names for m in moves_down(n, hi_)]
+        heapq.heapify(heap)
+        while total > upper and heap:
+            _, n, j, c = heapq.heappop(heap)
+            if cur[n] != c:
+                continue
+            total += nb[n][j] - nb[n][c]
+            cur[n] = j
+            for m in moves_down(n, hi_):
+                heapq.heappush(heap, m)
+    if total > upper:
+        lo_b = sum(min(nb[n]) for n in names)
+        raise ValueError(f"budget {budget} bytes is unreachable: the smallest type of every "
+                         f"tensor already totals {lo_b} bytes")
+
+    for lo_ in (lo, full_lo):
+        if total >= lower:
+            break
+        heap = [m for n in names for m in moves_up(n, lo_)]
+        heapq.heapify(heap)
+        while total < lower and heap:
+            _, n, j, c = heapq.heappop(heap)
+            if cur[n] != c or total + nb[n][j] - nb[n][c] > upper:
+                continue  # stale, or too big now (the slack only shrinks, so for good)
+            total += nb[n][j] - nb[n][c]
+            cur[n] = j
+            for m in moves_up(n, lo_):
+                heapq.heappush(heap, m)
+
+    tensors = {n: {"type": menu[n][cur[n]], "bytes": nb[n][cur[n]], "menu": menu[n],
+                   "probs": [float(p) for p in probs[n]]} for n in names}
+    assert total == sum(t["bytes"] for t in tensors.values())
+    return {"budget_bytes": int(budget), "total_bytes": int(total), "tensors": tensors}

@@ -1,0 +1,118 @@
+"""The size budget, in bytes, and the dead-zone size penalty.
+
+The budget counts only the **selectable** tensors (each stored tensor once: a tied lm_head is
+not counted again). It is given either
+
+* as a compression ratio of Q8_0: ``B = compression_ratio * bytes_at_Q8_0 * (1 - budget_reduction)``,
+  where ``bytes_at_Q8_0`` sums :func:`voodoo.quants.tensor_nbytes` ("Q8_0", shape) over the
+  selectable tensors (llama.cpp's shape fallbacks applied); or
+* as bits per weight: ``B = target_bits * n_weights / 8 * (1 - budget_reduction)``.
+
+``budget_reduction`` is a safety margin taken off either form (e.g. 0.01 aims 1% under).
+Sizes are in bytes throughout; bits per weight are named ``bpw``/``bits``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+
+import torch
+
+from voodoo.quants import tensor_nbytes
+
+__all__ = [
+    "shapes_of", "q8_0_bytes", "n_weights", "budget_bytes", "budget_bpw", "reachable_range",
+    "check_reachable", "size_penalty",
+]
+
+Shapes = Mapping[str, Sequence[int]]
+
+
+def shapes_of(specs) -> dict[str, tuple[int, int]]:
+    """gguf_name -> (n_rows, n_per_row) from a mapping of shapes or TensorSpec-like objects
+    (attributes or dict keys ``gguf_name`` and ``shape``)."""
+    if isinstance(specs, Mapping):
+        return {k: (int(v[0]), int(v[1])) for k, v in specs.items()}
+    out = {}
+    for s in specs:
+        name = s["gguf_name"] if isinstance(s, Mapping) else s.gguf_name
+        shape = s["shape"] if isinstance(s, Mapping) else s.shape
+        out[name] = (int(shape[0]), int(shape[1]))
+    return out
+
+
+def q8_0_bytes(shapes) -> int:
+    """Bytes of all selectable tensors at Q8_0 (via :func:`voodoo.quants.tensor_nbytes`)."""
+    return sum(tensor_nbytes("Q8_0", r, c) for r, c in shapes_of(shapes).values())
+
+
+def n_weights(shapes) -> int:
+    """Number of weights in all selectable tensors."""
+    return sum(r * c for r, c in shapes_of(shapes).values())
+
+
+def budget_bytes(shapes, compression_ratio: float | None = None,
+                 target_bits: float | None = None, budget_reduction: float = 0.0) -> int:
+    """The budget B in bytes (rounded down) over the selectable tensors ``shapes``.
+
+    Exactly one of ``compression_ratio`` (fraction of the Q8_0 size, e.g. 0.5) or
+    ``target_bits`` (bits per weight, e.g. 4.25) must be given; ``budget_reduction`` in [0, 1)
+    is taken off either. Raises ValueError otherwise or for non-positive values.
+    """
+    if (compression_ratio is None) == (target_bits is None):
+        raise ValueError("give exactly one of compression_ratio and target_bits")
+    if not 0.0 <= budget_reduction < 1.0:
+        raise ValueError(f"budget_reduction must be in [0, 1), got {budget_reduction}")
+    if compression_ratio is not None:
+        if compression_ratio <= 0:
+            raise ValueError(f"compression_ratio must be positive, got {compression_ratio}")
+        b = compression_ratio * q8_0_bytes(shapes)
+    else:
+        if target_bits <= 0:
+            raise ValueError(f"target_bits must be positive, got {target_bits}")
+        b = target_bits * n_weights(shapes) / 8.0
+    return int(b * (1.0 - budget_reduction))
+
+
+def budget_bpw(budget: float, shapes) -> float:
+    """A budget in bytes as bits per weight over the selectable tensors."""
+    return 8.0 * budget / n_weights(shapes)
+
+
+def reachable_range(bytes_table: Mapping[str, Sequence[int]]) -> tuple[int, int]:
+    """(min, max) total bytes reachable by choosing one menu entry per tensor."""
+    return (sum(min(b) for b in bytes_table.values()),
+            sum(max(b) for b in bytes_table.values()))
+
+
+def check_reachable(budget: float, bytes_table: Mapping[str, Sequence[int]], shapes) -> None:
+    """Raises ValueError if ``budget`` (bytes) is outside the reachable range of the menus,
+    stating the range in bytes and as compression ratios of Q8_0."""
+    lo, hi = reachable_range(bytes_table)
+    if lo <= budget <= hi:
+        return
+    q8 = q8_0_bytes(shapes)
+    raise ValueError(
+        f"budget {int(budget)} bytes ({budget / q8:.4f} x Q8_0) is outside the reachable range "
+        f"of the menus: {lo}..{hi} bytes = compression ratio {lo / q8:.4f}..{hi / q8:.4f} of "
+        f"Q8_0 ({q8} bytes); choose a compression ratio in that range or widen the menus")
+
+
+def size_penalty(size, budget: float, tolerance: float, weight: float):
+    """Dead-zone quadratic penalty on the relative size error ``r = size / budget - 1``::
+
+        0                              if |r| <= tolerance
+        weight * (|r| - tolerance)**2  otherwise
+
+    ``size`` in bytes: a float or a (differentiable) tensor, returned as the same kind.
+    Penalises both over and under budget (being under wastes bits the model could use).
+    Raises ValueError for budget <= 0 or negative tolerance/weight.
+    """
+    if budget <= 0:
+        raise ValueError(f"budget must be positive, got {budget}")
+    if tolerance < 0 or weight < 0:
+        raise ValueError(f"tolerance and weight must be >= 0, got {tolerance}, {weight}")
+    r = (size - budget) / budget
+    if isinstance(r, torch.Tensor):
+        return weight * torch.clamp(r.abs() - tolerance, min=0.0) ** 2
+    return weight * max(abs(r) - tolerance, 0.0) ** 2
