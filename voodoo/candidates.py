@@ -42,7 +42,7 @@ import numpy as np
 import pyarrow as pa
 
 from .llamacpp import cache_root, llama_cpp_commit
-from .quants import qtype
+from .quants import qtype, requires_imatrix
 
 __all__ = [
     "CandidateKey", "CandidateJob", "CandidateCache", "CorruptCandidate",
@@ -490,7 +490,8 @@ def plan_precache(jobs: Iterable, cache: CandidateCache, verify: bool = True
 
     Raises:
         TypeError / ValueError: bad weights, type or imatrix row (see :func:`candidate_key`,
-        :func:`effective_imatrix`); raised before anything is quantized.
+        :func:`effective_imatrix`), a row length the type's block does not divide, or a type
+        that needs an imatrix given none; raised before anything is quantized.
     """
     result = PrecacheResult()
     todo: list[tuple[CandidateJob, CandidateKey]] = []
@@ -505,6 +506,9 @@ def plan_precache(jobs: Iterable, cache: CandidateCache, verify: bool = True
         im = effective_imatrix(j.imatrix_row, j.gguf_name, w.shape[1])
         key = candidate_key(w, t, im, _weights_sha=wsha[id(j.weights)][1])
         key.row_size  # raises ValueError now for a type the row length does not fit
+        if im is None and requires_imatrix(t, j.gguf_name):
+            raise ValueError(f"{t} needs an importance matrix for {j.gguf_name!r} "
+                             "(llama-quantize's tensor_requires_imatrix rule); none given")
         result[(j.gguf_name, t)] = key
         if key in seen:
             continue
