@@ -1,0 +1,353 @@
+"""Writing the final GGUF, and the llama-quantize recipe that reproduces it.
+
+:func:`export_gguf` takes the **base F32 GGUF** (:mod:`voodoo.models`; tensors in GGUF layout,
+metadata and tokenizer) and an assignment (GGUF tensor name -> ggml type), and writes a GGUF
+whose assigned tensors hold the candidate cache's bytes (libggml's own quantization, so they
+are what ``llama-quantize`` would write) and whose other tensors are copied from the base.
+
+:func:`write_tensor_type_file` + :func:`quantize_with_llama` are the independent route:
+``llama-quantize --imatrix I --tensor-type-file T base-f32.gguf out.gguf <default>`` writes the
+same tensor bytes (tests check it tensor by tensor).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping
+
+import numpy as np
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter, LlamaFileType
+
+from .quants import fallback_type, nearest_ftype, qtype
+
+__all__ = [
+    "export_gguf", "write_tensor_type_file", "output_name", "quantize_with_llama",
+    "assignment_types", "copy_kv", "dominant_file_type", "ExportError", "gguf_tensor_bytes",
+]
+
+#: GGUF pseudo-keys GGUFReader exposes that are not KV pairs of the file.
+_READER_PSEUDO_KEYS = ("GGUF.",)
+#: Written by GGUFWriter itself.
+_WRITER_OWN_KEYS = frozenset(["general.architecture"])
+
+
+class ExportError(RuntimeError):
+    """The export or llama-quantize failed (reason in the message)."""
+
+
+# ----------------------------------------------------------------------------- helpers
+def assignment_types(assignment: Mapping[str, Any] | str | os.PathLike) -> dict[str, str]:
+    """``{gguf_name: type name}`` from an assignment in any of its forms: the assignment JSON
+    of :mod:`voodoo.bake` (``{"tensors": {name: {"type": ...}}}``), a path to that JSON, a
+    ``{name: {"type": ...}}`` dict or a plain ``{name: "Q4_K"}`` dict.
+
+    Raises ValueError for an unknown type name."""
+    if isinstance(assignment, (str, os.PathLike)):
+        with open(assignment) as f:
+            assignment = json.load(f)
+    if "tensors" in assignment and isinstance(assignment["tensors"], Mapping):
+        assignment = assignment["tensors"]
+    out = {}
+    for name, v in assignment.items():
+        t = v["type"] if isinstance(v, Mapping) else v
+        out[name] = qtype(t).name
+    return out
+
+
+def copy_kv(reader: GGUFReader, writer: GGUFWriter, skip: Iterable[str] = ()) -> None:
+    """Copies every KV pair of ``reader`` into ``writer`` with its GGUF value type (arrays with
+    their element type), except ``general.architecture`` (the writer writes it), the reader's
+    ``GGUF.*`` pseudo-keys and ``skip``. ``general.alignment`` also sets the writer's
+    alignment. Raises ExportError for nested arrays (not used by llama.cpp models)."""
+    skip = set(skip)
+    for key, field in reader.fields.items():
+        if key.startswith(_READER_PSEUDO_KEYS) or key in _WRITER_OWN_KEYS or key in skip:
+            continue
+        vtype = field.types[0]
+        if vtype == GGUFValueType.ARRAY:
+            if len(field.types) != 2:
+                raise ExportError(f"cannot copy nested GGUF array {key!r}")
+            val = field.contents()
+            if len(val) == 0:
+                continue  # GGUFWriter refuses empty arrays
+            writer.add_key_value(key, val, vtype, sub_type=field.types[1])
+        else:
+            val = field.contents()
+            writer.add_key_value(key, val, vtype)
+            if key == "general.alignment":
+                writer.data_alignment = int(val)
+
+
+def gguf_tensor_bytes(t) -> np.ndarray:
+    """A GGUFReader tensor's data as uint8 ``(n_rows, row_size)`` (GGUF layout; rows are
+    ``ne[1:]`` flattened)."""
+    data = np.asarray(t.data)
+    n_rows = int(np.prod([int(x) for x in t.shape[1:]])) if len(t.shape) > 1 else 1
+    return data.view(np.uint8).reshape(n_rows, -1)
+
+
+#: ggml type -> llama.cpp file type, for ``general.file_type`` (``llama_ftype`` in
+#: ``include/llama.h``; ``gguf.LlamaFileType`` mirrors it).
+_FTYPE_OF = {
+    "F32": LlamaFileType.ALL_F32, "F16": LlamaFileType.MOSTLY_F16,
+    "BF16": LlamaFileType.MOSTLY_BF16, "Q8_0": LlamaFileType.MOSTLY_Q8_0,
+    "Q6_K": LlamaFileType.MOSTLY_Q6_K, "Q5_K": LlamaFileType.MOSTLY_Q5_K_M,
+    "Q5_1": LlamaFileType.MOSTLY_Q5_1, "Q5_0": LlamaFileType.MOSTLY_Q5_0,
+    "Q4_K": LlamaFileType.MOSTLY_Q4_K_M, "Q4_1": LlamaFileType.MOSTLY_Q4_1,
+    "Q4_0": LlamaFileType.MOSTLY_Q4_0, "IQ4_XS": LlamaFileType.MOSTLY_IQ4_XS,
+    "IQ4_NL": LlamaFileType.MOSTLY_IQ4_NL, "Q3_K": LlamaFileType.MOSTLY_Q3_K_M,
+    "IQ3_S": LlamaFileType.MOSTLY_IQ3_S, "IQ3_XXS": LlamaFileType.MOSTLY_IQ3_XXS,
+    "Q2_K": LlamaFileType.MOSTLY_Q2_K, "IQ2_S": LlamaFileType.MOSTLY_IQ2_S,
+    "IQ2_XS": LlamaFileType.MOSTLY_IQ2_XS, "IQ2_XXS": LlamaFileType.MOSTLY_IQ2_XXS,
+    "IQ1_M": LlamaFileType.MOSTLY_IQ1_M, "IQ1_S": LlamaFileType.MOSTLY_IQ1_S,
+}
+
+
+def dominant_file_type(weights: Mapping[str, int]) -> int:
+    """``general.file_type`` for a mixed file: the llama.cpp file type of the ggml type that
+    holds the most weights (``weights``: type name -> number of weights). llama.cpp reads the
+    key only for display (``llama_model_ftype_name``); GGUFs written by llama-quantize with
+    ``--tensor-type`` carry the file type asked for, which is also the dominant one."""
+    if not weights:
+        return int(LlamaFileType.ALL_F32)
+    t = max(weights, key=lambda k: (weights[k], k))
+    return int(_FTYPE_OF.get(t, LlamaFileType.GUESSED))
+
+
+# ------------------------------------------------------------------------------ export
+def export_gguf(base_gguf: str | os.PathLike, assignment,
+                cache_lookup: Callable[[str, str], np.ndarray],
+                out_path: str | os.PathLike, *, file_type: int | None = None,
+                extra_kv: Mapping[str, Any] | None = None) -> Path:
+    """Writes the mixed-precision GGUF.
+
+    Args:
+        base_gguf: the base F32 GGUF (GGUF layout, all metadata and tokenizer).
+        assignment: ``{gguf_name: type}`` in any form :func:`assignment_types` accepts. Each
+            type is mapped through llama.cpp's shape fallback (:func:`voodoo.quants.
+            fallback_type`, ``tensor_type_fallback`` in ``src/llama-quant.cpp``) for the
+            tensor's row length.
+        cache_lookup: ``(gguf_name, type_name) -> np.uint8 (n_rows, row_size)``, the tensor's
+            rows quantized to that (fallback) type by libggml, in GGUF layout. Called once per
+            assigned tensor, as it is written (only one tensor's bytes are held at a time).
+        out_path: the final file. Written to a temporary file in the same folder and renamed
+            into place (``os.replace``) only when complete, so an interrupted export leaves
+            nothing at ``out_path``.
+        file_type: ``general.file_type`` to write; default :func:`dominant_file_type`.
+        extra_kv: more string/int/float/bool KV pairs (e.g. ``{"voodoo.assignment": ...}``).
+
+    Tensors not in the assignment are copied from the base unchanged (norms stay F32).
+    ``general.quantization_version`` is set to 2 (``GGML_QNT_VERSION``).
+
+    Returns the path written.
+
+    Raises:
+        KeyError: an assigned name is not a tensor of the base GGUF.
+        ExportError: ``cache_lookup`` returned bytes of the wrong dtype or shape, or
+            returned None.
+    """
+    types = assignment_types(assignment)
+    base_gguf, out_path = Path(base_gguf), Path(out_path)
+    reader = GGUFReader(base_gguf)
+    tensors = list(reader.tensors)
+    by_name = {t.name: t for t in tensors}
+    missing = sorted(set(types) - set(by_name))
+    if missing:
+        raise KeyError(f"assignment names tensors not in {base_gguf.name}: {missing[:5]}"
+                       + (" ..." if len(missing) > 5 else ""))
+
+    arch = reader.fields["general.architecture"].contents()
+    # plan: (tensor, out type, nbytes)
+    plan = []
+    weights_per_type: dict[str, int] = {}
+    for t in tensors:
+        ne = [int(x) for x in t.shape]           # GGUF ne: [n_per_row, n_rows, ...]
+        n_per_row, n_rows = ne[0], int(np.prod(ne[1:])) if len(ne) > 1 else 1
+        if t.name in types:
+            q = fallback_type(types[t.name], n_per_row)
+            nbytes = n_rows * q.row_nbytes(n_per_row)
+            plan.append((t, q, n_rows, n_per_row, nbytes))
+            weights_per_type[q.name] = weights_per_type.get(q.name, 0) + n_rows * n_per_row
+        else:
+            plan.append((t, None, n_rows, n_per_row, int(t.n_bytes)))
+            if len(ne) > 1:
+                name = GGMLQuantizationType(t.tensor_type).name
+                weights_per_type[name] = weights_per_type.get(name, 0) + n_rows * n_per_row
+
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{out_path.name}.", suffix=".partial",
+                               dir=out_path.parent)
+    os.close(fd)
+    writer = GGUFWriter(tmp, arch)
+    try:
+        copy_kv(reader, writer, skip=["general.file_type", "general.quantization_version"])
+        writer.add_file_type(int(dominant_file_type(weights_per_type) if file_type is None
+                                 else file_type))
+        writer.add_quantization_version(2)
+        for k, v in (extra_kv or {}).items():
+            _add_scalar(writer, k, v)
+        for t, q, n_rows, n_per_row, nbytes in plan:
+            ne = [int(x) for x in t.shape]
+            shape = list(reversed(ne))               # numpy order: (..., n_rows, n_per_row)
+            if q is None:
+                raw = GGMLQuantizationType(t.tensor_type)
+                writer.add_tensor_info(t.name, _byte_shape(shape, raw), np.dtype(np.uint8),
+                                       nbytes, raw_dtype=raw)
+            else:
+                writer.add_tensor_info(t.name, shape[:-1] + [q.row_nbytes(n_per_row)],
+                                       np.dtype(np.uint8), nbytes, raw_dtype=q.ggml_type)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        for t, q, n_rows, n_per_row, nbytes in plan:
+            if q is None:
+                data = np.asarray(t.data).view(np.uint8).reshape(-1)
+            else:
+                data = cache_lookup(t.name, q.name)
+                rs = q.row_nbytes(n_per_row)
+                if data is None:
+                    raise ExportError(f"no {q.name} bytes for {t.name} in the candidate cache")
+                if not isinstance(data, np.ndarray) or data.dtype != np.uint8 \
+                        or data.size != nbytes:
+                    raise ExportError(
+                        f"cache bytes for {t.name} as {q.name} have shape "
+                        f"{getattr(data, 'shape', None)}, dtype {getattr(data, 'dtype', None)};"
+                        f" expected uint8 ({n_rows}, {rs})")
+                data = np.ascontiguousarray(data).reshape(-1)
+            writer.write_tensor_data(data)
+            del data
+        writer.close()
+        os.replace(tmp, out_path)
+    except BaseException:
+        writer.close()
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    return out_path
+
+
+def _byte_shape(shape: list[int], raw: GGMLQuantizationType) -> list[int]:
+    """Numpy-order element shape -> the uint8 byte shape GGUFWriter expects for ``raw``."""
+    from gguf import GGML_QUANT_SIZES
+    bs, ts = GGML_QUANT_SIZES[raw]
+    return shape[:-1] + [shape[-1] // bs * ts]
+
+
+def _add_scalar(writer: GGUFWriter, key: str, v: Any) -> None:
+    if isinstance(v, bool):
+        writer.add_bool(key, v)
+    elif isinstance(v, int):
+        writer.add_int64(key, v) if v < 0 else writer.add_uint64(key, v)
+    elif isinstance(v, float):
+        writer.add_float32(key, v)
+    elif isinstance(v, str):
+        writer.add_string(key, v)
+    else:
+        raise TypeError(f"extra_kv[{key!r}] must be bool, int, float or str, not "
+                        f"{type(v).__name__}")
+
+
+# ------------------------------------------------------------- llama-quantize recipe
+def tensor_pattern(gguf_name: str) -> str:
+    """An anchored regex matching exactly ``gguf_name``. llama-quantize matches
+    ``--tensor-type`` names with ``std::regex_search`` (``llama_tensor_get_type`` in
+    ``src/llama-quant.cpp``) after lower-casing them (``parse_tensor_type`` in
+    ``tools/quantize/quantize.cpp``), so a bare ``blk.1.attn_q.weight`` would also match
+    ``blk.11.attn_q.weight``."""
+    if gguf_name != gguf_name.lower():
+        raise ValueError(f"llama-quantize lower-cases tensor-type patterns; {gguf_name!r} "
+                         "has upper-case letters and could not be matched")
+    if any(c.isspace() for c in gguf_name) or "=" in gguf_name:
+        raise ValueError(f"tensor name {gguf_name!r} cannot be written to a tensor-type file")
+    return "^" + re.escape(gguf_name) + "$"
+
+
+def write_tensor_type_file(assignment, path: str | os.PathLike,
+                           base_gguf: str | os.PathLike | None = None) -> Path:
+    """Writes a ``llama-quantize --tensor-type-file``: one ``<regex>=<type>`` per line
+    (``parse_tensor_type_file`` in ``tools/quantize/quantize.cpp`` reads whitespace-separated
+    ``name=type`` items), each regex anchored to one tensor (:func:`tensor_pattern`), the type
+    being the assignment's ggml type name in lower case. Types are written as assigned;
+    llama-quantize applies the same shape fallback export does.
+
+    With ``base_gguf``, every other tensor llama-quantize would quantize (2-D and larger
+    weights) is pinned to its type in the base, so it is copied as :func:`export_gguf` copies
+    it instead of getting llama-quantize's default type.
+
+    Note llama-quantize's ``--token-embedding-type`` / ``--output-tensor-type`` override these
+    patterns; :func:`quantize_with_llama` does not pass them.
+
+    Returns ``path``. Written atomically."""
+    types = assignment_types(assignment)
+    lines = [f"{tensor_pattern(n)}={t.lower()}" for n, t in types.items()]
+    if base_gguf is not None:
+        for t in GGUFReader(base_gguf).tensors:
+            if t.name not in types and len(t.shape) >= 2 and t.name.endswith("weight"):
+                lines.append(f"{tensor_pattern(t.name)}="
+                             f"{GGMLQuantizationType(t.tensor_type).name.lower()}")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.partial-{os.getpid()}")
+    tmp.write_text("\n".join(lines) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def output_name(model_name: str, ratio_percent: float, bpw: float) -> str:
+    """The exported file's name: ``<Model>.Voodoo<ratio>_<badge>.gguf``, e.g.
+    ``SmolLM2-135M-Instruct.Voodoo45_Q3_K_M.gguf``: ``ratio`` is the size budget as a percent
+    (rounded to an integer) and ``badge`` the llama.cpp file type whose nominal bpw is nearest
+    the file's (:func:`voodoo.quants.nearest_ftype`)."""
+    return f"{model_name}.Voodoo{int(round(ratio_percent))}_{nearest_ftype(bpw)}.gguf"
+
+
+def quantize_with_llama(base_gguf: str | os.PathLike, out: str | os.PathLike,
+                        tensor_type_file: str | os.PathLike | None = None,
+                        imatrix_file: str | os.PathLike | None = None,
+                        default_type: str = "Q8_0", n_threads: int | None = None,
+                        extra_args: Iterable[str] = (), timeout: float | None = None) -> Path:
+    """Runs ``llama-quantize [--imatrix I] [--tensor-type-file T] base out <default_type>
+    [n_threads]`` (the pinned build, :func:`voodoo.llamacpp.tool_path`).
+
+    ``default_type`` must be a quantized llama.cpp file type (``Q8_0``, ``Q4_K_M``...):
+    llama-quantize applies tensor-type patterns only when the default type is quantized.
+    Tensors no pattern matches get llama.cpp's own mixture for that file type. Written to a
+    temporary name and renamed into place.
+
+    Raises:
+        voodoo.llamacpp.LlamaCppNotBuilt: the tool is missing.
+        ExportError: llama-quantize failed (the end of its output is in the message).
+    """
+    from .llamacpp import tool_path
+    exe = tool_path("llama-quantize")
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")
+    cmd = [str(exe)]
+    if imatrix_file is not None:
+        cmd += ["--imatrix", str(imatrix_file)]
+    if tensor_type_file is not None:
+        cmd += ["--tensor-type-file", str(tensor_type_file)]
+    cmd += list(extra_args)
+    cmd += [str(base_gguf), str(tmp), default_type]
+    if n_threads:
+        cmd.append(str(int(n_threads)))
+    try:
+        r = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                           timeout=timeout)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    if r.returncode:
+        tmp.unlink(missing_ok=True)
+        raise ExportError(f"llama-quantize failed (exit {r.returncode}): {' '.join(cmd)}\n"
+                          + "\n".join(r.stdout.splitlines()[-25:]))
+    os.replace(tmp, out)
+    return out
