@@ -218,3 +218,16 @@ def test_install_rejects_bad_shapes_and_modules():
     with pytest.raises(ValueError, match="byte sizes"):
         MixedWeight(torch.zeros(2, 3, 4), [1, 2, 3])
     assert isinstance(nn.Linear, type)
+
+
+def test_model_to_dtype_keeps_gates_float32():
+    model, *_ = gated_llama()
+    model.to(torch.bfloat16)
+    mw = mixed_weights(model)["token_embd.weight"]
+    assert mw.candidates.dtype == torch.bfloat16
+    assert mw.logits.dtype == mw.nbytes.dtype == mw.temperature.dtype == torch.float32
+    assert mw.logits.requires_grad
+    assert model.model.embed_tokens.dtype == torch.bfloat16
+    ids = torch.randint(0, 256, (1, 5), generator=torch.Generator().manual_seed(0))
+    out = model(input_ids=ids).logits
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out.float()).all()

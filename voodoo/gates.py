@@ -171,6 +171,16 @@ class MixedWeight(nn.Module):
                              persistent=False)
         self.logits = nn.Parameter(torch.zeros(k, dtype=torch.float32, device=candidates.device))
 
+    def _apply(self, fn, recurse=True):
+        # model.to(dtype) casts candidates (wanted) but must not cast the logits, byte sizes
+        # or temperature: they stay float32 whatever the model's dtype.
+        super()._apply(fn, recurse)
+        for name in ("nbytes", "temperature"):
+            setattr(self, name, getattr(self, name).float())
+        if self.logits.dtype != torch.float32:
+            self.logits.data = self.logits.data.float()
+        return self
+
     @property
     def k(self) -> int:
         return self.candidates.shape[0]
@@ -255,7 +265,7 @@ class MixedQuantEmbedding(nn.Module):
     """An Embedding whose table is a gated mixture of K candidates (K, n_vocab, n_embd).
 
     ids (...) int64 -> (..., n_embd) in ``dtype`` (the replaced embedding's dtype; default the
-    candidates' dtype). Only the looked-up rows are mixed. ``mixed`` as in
+    candidates' dtype; follows ``model.to(dtype)``). Only the looked-up rows are mixed. ``mixed`` as in
     :class:`MixedQuantLinear`; pass the same MixedWeight to the tied lm_head.
     """
 
@@ -267,8 +277,16 @@ class MixedQuantEmbedding(nn.Module):
             mixed = MixedWeight(mixed, nbytes, gguf_name, types)
         self.mixed = mixed
         self.num_embeddings, self.embedding_dim = mixed.shape
-        self.dtype = dtype or mixed.candidates.dtype
         self.padding_idx = padding_idx
+        # A 0-element buffer whose dtype is the output dtype, so that model.to(dtype) moves it.
+        self.register_buffer("_out", torch.empty(0, dtype=dtype or mixed.candidates.dtype,
+                                                 device=mixed.candidates.device),
+                             persistent=False)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """Output dtype (follows ``model.to(dtype)``)."""
+        return self._out.dtype
 
     @property
     def logits(self) -> nn.Parameter:

@@ -235,7 +235,7 @@ def train_step(student, teacher_fn: Callable[[torch.Tensor], torch.Tensor],
     optimizer.zero_grad(set_to_none=True)
     with torch.no_grad():
         t_logits = teacher_fn(ids).to(ids.device)
-    s_logits = _logits(forward or student, ids)
+    s_logits = _logits(student if forward is None else forward, ids)
     ce, kl = distill_losses(s_logits, t_logits, ids)
     size = model_expected_bytes(student)
     pen = size_penalty(size, budget, cfg.size_tolerance, cfg.size_weight)
