@@ -25,7 +25,8 @@ def test_q8_0_bytes_and_weights():
 def test_budget_from_ratio_and_bits():
     q8 = q8_0_bytes(SHAPES)
     assert budget_bytes(SHAPES, compression_ratio=0.5) == int(0.5 * q8)
-    assert budget_bytes(SHAPES, compression_ratio=0.5, budget_reduction=0.02) == int(0.5 * q8 * 0.98)
+    got = budget_bytes(SHAPES, compression_ratio=0.5, budget_reduction=0.02)
+    assert got == int(0.5 * q8 * 0.98)
     n = n_weights(SHAPES)
     assert budget_bytes(SHAPES, target_bits=4.0) == n // 2
     assert budget_bpw(n // 2, SHAPES) == pytest.approx(4.0)

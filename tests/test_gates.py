@@ -85,8 +85,8 @@ def test_linear_output_equals_mixture():
                                check_dtype=False)
     w = (p[:, None, None] * cand).sum(0)
     torch.testing.assert_close(lin(x), x @ w.T + bias, rtol=0, atol=1e-12)
-    torch.testing.assert_close(lin.expected_bytes().double(), (p * torch.tensor([30., 20, 10])).sum(),
-                               rtol=1e-6, atol=0)
+    torch.testing.assert_close(lin.expected_bytes().double(),
+                               (p * torch.tensor([30., 20, 10])).sum(), rtol=1e-6, atol=0)
 
 
 def test_gate_gradient_matches_finite_difference():

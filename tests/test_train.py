@@ -25,8 +25,8 @@ def gated_llama(seed=0):
                       tie_word_embeddings=True)
     model = LlamaForCausalLM(cfg).eval()
     teacher = copy.deepcopy(model)
-    names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "mlp.down_proj": "ffn_down",
-             "mlp.up_proj": "ffn_up"}
+    names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+             "mlp.down_proj": "ffn_down", "mlp.up_proj": "ffn_up"}
     specs = [SimpleNamespace(gguf_name=f"blk.{i}.{g}.weight", module_name=f"model.layers.{i}.{h}",
                              tied_to=[]) for i in range(2) for h, g in names.items()]
     specs.append(SimpleNamespace(gguf_name="token_embd.weight", module_name="model.embed_tokens",
@@ -182,3 +182,21 @@ def test_bad_inputs():
         train_gates(student, teacher, torch.zeros(2, 5, dtype=torch.long), cfg(), progress=False)
     with pytest.raises(ValueError, match="reachable range"):
         train_gates(student, teacher, blocks(), cfg(compression_ratio=0.2), progress=False)
+
+
+def test_grad_sync_hook_and_progress_bar(tmp_path):
+    """grad_sync sees every gate's grad before the step; zeroing them freezes the gates."""
+    student, teacher, _, _ = gated_llama()
+    seen = []
+
+    def sync(params):
+        seen.append(len(params))
+        for p in params:
+            p.grad.zero_()
+
+    c = cfg(max_steps=2, gate_init="uniform")
+    res = train_gates(student, teacher, blocks(), c, progress=True, grad_sync=sync)
+    assert seen == [9, 9]
+    assert all(torch.equal(v, torch.zeros(3)) for v in res.gates.values())
+    with pytest.raises(ValueError, match="divisible by world_size"):
+        train_gates(student, teacher, blocks(), c, progress=False, rank=0, world_size=3)

@@ -3,8 +3,9 @@
 The budget counts only the **selectable** tensors (each stored tensor once: a tied lm_head is
 not counted again). It is given either
 
-* as a compression ratio of Q8_0: ``B = compression_ratio * bytes_at_Q8_0 * (1 - budget_reduction)``,
-  where ``bytes_at_Q8_0`` sums :func:`voodoo.quants.tensor_nbytes` ("Q8_0", shape) over the
+* as a compression ratio of Q8_0:
+  ``B = compression_ratio * bytes_at_Q8_0 * (1 - budget_reduction)``, where
+  ``bytes_at_Q8_0`` sums :func:`voodoo.quants.tensor_nbytes` ("Q8_0", shape) over the
   selectable tensors (llama.cpp's shape fallbacks applied); or
 * as bits per weight: ``B = target_bits * n_weights / 8 * (1 - budget_reduction)``.
 

@@ -265,8 +265,8 @@ class MixedQuantEmbedding(nn.Module):
     """An Embedding whose table is a gated mixture of K candidates (K, n_vocab, n_embd).
 
     ids (...) int64 -> (..., n_embd) in ``dtype`` (the replaced embedding's dtype; default the
-    candidates' dtype; follows ``model.to(dtype)``). Only the looked-up rows are mixed. ``mixed`` as in
-    :class:`MixedQuantLinear`; pass the same MixedWeight to the tied lm_head.
+    candidates' dtype; follows ``model.to(dtype)``). Only the looked-up rows are mixed.
+    ``mixed`` as in :class:`MixedQuantLinear`; pass the same MixedWeight to the tied lm_head.
     """
 
     def __init__(self, mixed: MixedWeight | torch.Tensor, nbytes: Sequence[int] | None = None,

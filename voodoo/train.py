@@ -330,6 +330,9 @@ def train_gates(student: nn.Module, teacher, train_blocks: torch.Tensor, cfg: Tr
                          f"{tuple(train_blocks.shape)}")
     if train_blocks.dtype != torch.long:
         raise ValueError(f"train_blocks must be int64 token ids, got {train_blocks.dtype}")
+    if not (0 <= rank < world_size) or cfg.batch_size % world_size:
+        raise ValueError(f"need 0 <= rank < world_size and batch_size ({cfg.batch_size}) "
+                         f"divisible by world_size ({world_size}); got rank {rank}")
     mws = mixed_weights(student)
     if not mws:
         raise ValueError("the student has no gates; call voodoo.gates.install_gates first")
@@ -347,7 +350,8 @@ def train_gates(student: nn.Module, teacher, train_blocks: torch.Tensor, cfg: Tr
         p.requires_grad_(id(p) in gate_ids)
     if cfg.gradient_checkpointing and hasattr(student, "gradient_checkpointing_enable"):
         # Non-reentrant: the reentrant variant drops grads when no input requires grad.
-        student.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        student.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": False})
         student.train()  # HF checkpoints only in training mode; Llama-style models have no dropout
     else:
         student.eval()
