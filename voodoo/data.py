@@ -39,6 +39,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import warnings
 import zipfile
 from pathlib import Path
 from typing import Iterable, Iterator, Sequence
@@ -332,6 +333,10 @@ def read_documents(source: str | os.PathLike) -> tuple[list[str], str]:
                 raise DatasetError(f"{p}: unsupported file type {suffix!r} "
                                    "(expected .txt, .jsonl or .parquet)")
             desc = f"{p.resolve()} (sha256 {_sha256_file(p)})"
+            if re.search(r"wiki.*test|test.*wiki", p.name, re.I):
+                warnings.warn(f"{p.name} looks like an evaluation split (wikitext test?); "
+                              "calibrating on evaluation text makes the evaluation meaningless",
+                              stacklevel=2)
         elif hub is None and (p.suffix.lower() in (".txt", ".jsonl", ".parquet") or os.sep in s):
             raise DatasetError(f"source file {p} does not exist")
         else:
