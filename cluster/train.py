@@ -1,0 +1,568 @@
+"""Gate training on Ray Train V2: what Ray adds to :mod:`voodoo.train`.
+
+One :func:`train_loop_per_worker` runs unchanged in-process (``ScalingConfig(num_workers=0)``:
+tests, laptops, and ``torchrun``-launched tensor parallelism) and on a cluster
+(``num_workers = tensor_parallel * data_parallel`` Ray Train workers, one process group over
+them: gloo on CPU, NCCL on GPU). Each worker:
+
+1. builds its job with the caller's **factory** (``factory(WorkerInfo) -> StudentJob``: the
+   gated student, the teacher, the token blocks, the adapter's TensorSpecs and head counts); the
+   factory must be picklable and deterministic (every rank builds the same model);
+2. computes the budget from the **full** tensors, then (``tensor_parallel > 1``) splits the
+   student and the teacher with :func:`cluster.tp.shard_model`, and (``device_map``) spreads
+   the decoder layers of its replica over several devices with :func:`dispatch_layers`;
+3. runs :func:`voodoo.train.train_step` per step on its share of the global batch
+   (:func:`voodoo.train.batch_indices`, ``[dp_rank::data_parallel]``; tensor-parallel ranks of
+   a replica read the same rows) with a ``grad_sync`` that averages the gate gradients over the
+   data-parallel replicas (one flat all-reduce); the tensor-parallel sum is done in backward
+   (:mod:`cluster.tp`);
+4. reports :data:`voodoo.train.METRICS` (+ ``step``, ``expected_bytes``, ``budget_bytes``)
+   with ``ray.train.report`` every ``report_every`` steps, with a checkpoint every
+   ``checkpoint_every`` steps and at the end -- every rank, equally often (a barrier);
+5. resumes from ``ray.train.get_checkpoint()`` (same ``storage_path`` and ``run_name``).
+
+Rank layout: ``world_rank = dp_rank * tensor_parallel + tp_rank`` (a replica's TP ranks are
+consecutive, so they share a node when workers are packed).
+
+Checkpoint folder (one per checkpoint; Ray merges every rank's files into one)::
+
+    state.pt        rank 0: version, config, step, gates (full logits), history, budget_bytes,
+                    layout {tensor_parallel, data_parallel}
+    rank-0003.pt    every rank: step, gates, optimizer state (Adam over the gate logits), RNG
+    meta.json       rank 0: step, finished, budget_bytes, last metrics (for people)
+
+In-process runs (``num_workers=0``) get no persistence from Ray (Ray's local mode keeps the last
+checkpoint in memory only); :func:`run_training` then stores the same folders itself under
+``storage_path/run_name/checkpoint_NNNNNN`` (``num_to_keep`` newest kept) and resumes from the
+newest, so resume works the same way in both modes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import tempfile
+import types
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from voodoo.budget import budget_bpw, budget_bytes, check_reachable
+from voodoo.gates import (gate_parameters, gate_state, init_gates, load_gate_state,
+                          mixed_weights, model_expected_bytes)
+from voodoo.train import (_RESUME_FREE, METRICS, TrainConfig, _rng_state, _set_rng_state,
+                          batch_indices, temperature_at, train_step)
+
+__all__ = [
+    "WorkerInfo", "StudentJob", "RunResult", "train_loop_per_worker", "run_loop",
+    "RayTrainBackend", "run_training",
+    "parse_device_map", "dispatch_layers", "load_checkpoint_state", "STATE_FILE",
+]
+
+STATE_FILE = "state.pt"
+META_FILE = "meta.json"
+CKPT_VERSION = 1
+
+
+@dataclass
+class WorkerInfo:
+    """What a factory is told about the worker it builds for.
+
+    rank/world_size: Ray Train world rank and size. tp_rank/tp_size, dp_rank/dp_size: the
+    tensor- and data-parallel coordinates (``rank = dp_rank * tp_size + tp_rank``). device:
+    where the student should live (``cuda:N`` from Ray on GPU workers, else ``cfg.device``; with
+    a ``device_map``, its first device). cfg: the TrainConfig (seq_len, dtype, seed...).
+    shared: the object passed as ``run_training(shared=...)`` (put in the object store once,
+    resolved here), or None."""
+
+    rank: int = 0
+    world_size: int = 1
+    tp_rank: int = 0
+    tp_size: int = 1
+    dp_rank: int = 0
+    dp_size: int = 1
+    device: str = "cpu"
+    cfg: TrainConfig | None = None
+    shared: Any = None
+
+
+@dataclass
+class StudentJob:
+    """What a factory returns (all un-sharded; the loop shards).
+
+    student: HF causal LM with gates installed (:func:`voodoo.gates.install_gates`), full size.
+    teacher: a HF causal LM of the same architecture, or a callable ids (B, T) -> logits
+        (B, T, V). An nn.Module teacher is sharded/dispatched like the student.
+    train_blocks: (N, seq_len) int64. eval_blocks: (M, seq_len) int64 or None (for Tune).
+    specs: the adapter's TensorSpecs (taken before gates were installed); required for
+        tensor parallel (their ``tp``). n_head/n_head_kv: attention heads (tensor parallel).
+    budget: bytes; default from the config over the full gated tensors."""
+
+    student: nn.Module
+    teacher: Any
+    train_blocks: torch.Tensor
+    eval_blocks: torch.Tensor | None = None
+    specs: list | None = None
+    n_head: int | None = None
+    n_head_kv: int | None = None
+    budget: int | None = None
+
+
+@dataclass
+class RunResult:
+    """What :func:`run_training` returns.
+
+    gates: gguf_name -> logits (K,) float32 (the full, replicated gates). step: steps done.
+    finished: step == max_steps. budget_bytes: B. history: per-step metrics (rank 0's).
+    metrics: the last reported metrics. checkpoint_path: folder of the last checkpoint."""
+
+    gates: dict[str, torch.Tensor]
+    step: int
+    finished: bool
+    budget_bytes: int
+    history: list[dict] = field(default_factory=list)
+    metrics: dict = field(default_factory=dict)
+    checkpoint_path: str | None = None
+
+
+# --------------------------------------------------------------------------- layer-wise
+
+
+def parse_device_map(spec: str | list | None) -> list[str] | None:
+    """``"cuda:0,cuda:1"`` / ``"cpu,cpu"`` / a list -> list of device strings (None stays None).
+    Raises ValueError for an empty map or an unknown device."""
+    if spec is None:
+        return None
+    devs = [d.strip() for d in (spec.split(",") if isinstance(spec, str) else spec)]
+    if not devs or any(not d for d in devs):
+        raise ValueError(f"device_map must list devices like 'cuda:0,cuda:1', got {spec!r}")
+    for d in devs:
+        try:
+            torch.device(d)
+        except RuntimeError as e:
+            raise ValueError(f"device_map: bad device {d!r} ({e})") from None
+    return devs
+
+
+def _to(obj, dev):
+    from torch.utils._pytree import tree_map
+    return tree_map(lambda t: t.to(dev) if isinstance(t, torch.Tensor) else t, obj)
+
+
+def dispatch_layers(model: nn.Module, devices: list[str], layers: str = "model.layers") -> dict:
+    """Spreads the decoder layers of ``model`` over ``devices``, in place; no collectives.
+
+    Layer i of the ``nn.ModuleList`` at ``layers`` goes to ``devices[i * len(devices) // n]``
+    (contiguous chunks); everything else (embedding, final norm, lm_head -- a tied head shares
+    the embedding's gate, so both stay together) on ``devices[0]``. A forward pre-hook on each
+    layer moves its inputs (hidden states, rotary cos/sin, mask) to its device; a forward hook
+    on the last layer moves its output back to ``devices[0]``. Each gate's expected size is
+    returned on ``devices[0]`` (so the model's total can be summed). Returns
+    ``{layer index: device}``. Raises ValueError when ``layers`` is not a ModuleList."""
+    stack = model.get_submodule(layers)
+    if not isinstance(stack, nn.ModuleList) or len(stack) == 0:
+        raise ValueError(f"{layers} is not a non-empty nn.ModuleList of decoder layers")
+    first = torch.device(devices[0])
+    model.to(first)
+    n, d = len(stack), len(devices)
+    placement = {}
+    for i, layer in enumerate(stack):
+        dev = torch.device(devices[i * d // n])
+        layer.to(dev)
+        placement[i] = str(dev)
+        layer.register_forward_pre_hook(
+            lambda m, a, k, _d=dev: (_to(a, _d), _to(k, _d)), with_kwargs=True)
+    stack[-1].register_forward_hook(lambda m, a, out: _to(out, first))
+    for mw in mixed_weights(model).values():
+        base = type(mw).expected_bytes
+        mw.expected_bytes = types.MethodType(lambda self, _b=base: _b(self).to(first), mw)
+    return placement
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _logits(model, ids):
+    out = model(input_ids=ids, use_cache=False) if isinstance(model, nn.Module) else model(ids)
+    return out.logits if hasattr(out, "logits") else out
+
+
+def _groups(rank: int, world: int, tp: int):
+    """(tp_group, dp_group) for ``rank``; every rank creates every group in the same order,
+    as ``dist.new_group`` requires. None when not distributed."""
+    if world == 1:
+        return None, None
+    if not dist.is_initialized():
+        raise RuntimeError("world_size > 1 but torch.distributed is not initialized")
+    dp = world // tp
+    tp_group = dp_group = None
+    for d in range(dp):
+        g = dist.new_group([d * tp + t for t in range(tp)])
+        if rank // tp == d:
+            tp_group = g
+    for t in range(tp):
+        g = dist.new_group([d * tp + t for d in range(dp)])
+        if rank % tp == t:
+            dp_group = g
+    return tp_group, dp_group
+
+
+def _dp_grad_sync(group, size: int) -> Callable[[list], None] | None:
+    """``grad_sync(params)``: average the gate grads over the data-parallel group, one flat
+    all-reduce on the first parameter's device (NCCL needs CUDA tensors, gloo CPU ones)."""
+    if size == 1:
+        return None
+
+    def sync(params):
+        dev = params[0].device
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        flat = torch.cat([g.detach().to(dev, torch.float32).flatten() for g in grads])
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+        flat /= size
+        off = 0
+        for p, g in zip(params, grads):
+            n = g.numel()
+            p.grad = flat[off:off + n].view_as(g).to(g.device, g.dtype)
+            off += n
+    return sync
+
+
+def _barrier(world: int):
+    if world > 1 and dist.is_initialized():
+        dist.barrier()
+
+
+def load_checkpoint_state(path: str | os.PathLike) -> dict:
+    """The ``state.pt`` of a checkpoint folder (config, step, gates, history, budget_bytes).
+    Raises FileNotFoundError when the folder has none."""
+    f = Path(path) / STATE_FILE
+    if not f.is_file():
+        raise FileNotFoundError(f"{path} is not a Voodoo training checkpoint (no {STATE_FILE})")
+    return torch.load(f, map_location="cpu", weights_only=True)
+
+
+def _latest_local(local_dir: Path) -> Path | None:
+    ck = sorted(p for p in local_dir.glob("checkpoint_*") if (p / STATE_FILE).is_file())
+    return ck[-1] if ck else None
+
+
+# --------------------------------------------------------------------------- the loop
+
+
+class RayTrainBackend:
+    """How the loop talks to Ray Train: ranks, the checkpoint to resume, reports. (Tune's
+    function trainables use :class:`cluster.tune.TuneBackend`, with the same methods.)"""
+
+    def world(self) -> tuple[int, int]:
+        import ray.train
+        ctx = ray.train.get_context()
+        return ctx.get_world_rank(), ctx.get_world_size()
+
+    def get_checkpoint(self):
+        import ray.train
+        return ray.train.get_checkpoint()
+
+    def report(self, metrics: dict, checkpoint_dir: str | None = None) -> None:
+        import ray.train
+        ck = None if checkpoint_dir is None else ray.train.Checkpoint.from_directory(
+            checkpoint_dir)
+        ray.train.report(metrics, checkpoint=ck)
+
+
+def train_loop_per_worker(config: dict) -> None:
+    """The ``TorchTrainer`` loop: :func:`run_loop` with Ray Train's context."""
+    run_loop(config, RayTrainBackend())
+
+
+def run_loop(config: dict, backend) -> dict:
+    """Ray Train worker loop (see the module docstring).
+
+    config keys: ``factory`` (picklable ``factory(WorkerInfo) -> StudentJob``), ``cfg``
+    (TrainConfig dict), ``tensor_parallel`` (int), ``use_gpu``, ``device_map`` (list or None),
+    ``checkpoint_every`` (steps, default ``cfg.partial_save_interval``), ``report_every``
+    (steps, 1), ``stop_after`` (steps or None), ``step_hook`` (``hook(step, info, student)``
+    after each step, or None), ``shared`` (object or ObjectRef), ``local_dir`` (in-process runs: where
+    checkpoints are kept), ``num_to_keep``, ``report_objective`` (add ``objective = kl +
+    penalty`` to the metrics, for Tune schedulers).
+
+    ``backend``: :class:`RayTrainBackend` or anything with its methods. Returns (on every
+    rank) ``{"gates", "step", "budget_bytes", "history", "metrics"}`` of the final state.
+
+    Raises ValueError (world size not divisible by tensor_parallel, a checkpoint of another
+    run, a budget out of reach), TensorParallelError (the split is not possible)."""
+    cfg = TrainConfig.from_dict(dict(config["cfg"]))
+    rank, world = backend.world()
+    tp = int(config.get("tensor_parallel", 1))
+    if tp < 1 or world % tp:
+        raise ValueError(f"world size {world} is not a multiple of tensor_parallel={tp}")
+    dp = world // tp
+    tp_rank, dp_rank = rank % tp, rank // tp
+    if cfg.batch_size % dp:
+        raise ValueError(f"batch_size {cfg.batch_size} must divide by data_parallel={dp}")
+    devices = config.get("device_map")
+    if config.get("use_gpu") and world > 0 and torch.cuda.is_available() and not devices:
+        import ray.train.torch
+        device = str(ray.train.torch.get_device())
+    else:
+        device = devices[0] if devices else cfg.device
+    cfg = dataclasses.replace(cfg, device=device)
+    shared = config.get("shared")
+    if shared is not None and type(shared).__name__ == "ObjectRef":
+        import ray
+        shared = ray.get(shared)
+    info = WorkerInfo(rank, world, tp_rank, tp, dp_rank, dp, device, cfg, shared)
+    tp_group, dp_group = _groups(rank, world, tp)
+
+    job: StudentJob = config["factory"](info)
+    student, teacher = job.student, job.teacher
+    mws = mixed_weights(student)
+    if not mws:
+        raise ValueError("the factory's student has no gates; call voodoo.gates.install_gates")
+    shapes = {n: m.shape for n, m in mws.items()}  # full shapes, before any split
+    bytes_table = {n: m.nbytes.tolist() for n, m in mws.items()}
+    budget = job.budget if job.budget is not None else budget_bytes(
+        shapes, cfg.compression_ratio, cfg.target_bits, cfg.budget_reduction)
+    check_reachable(budget, bytes_table, shapes)
+
+    if tp > 1:
+        from cluster.tp import TPGroup, head_counts, shard_model
+        n_head, n_head_kv = job.n_head, job.n_head_kv
+        if n_head is None:
+            n_head, n_head_kv = head_counts(getattr(student, "config", None))
+        g = TPGroup(tp_rank, tp, tp_group)
+        shard_model(student, job.specs, g, n_head, n_head_kv or n_head)
+        if isinstance(teacher, nn.Module):
+            shard_model(teacher, job.specs, g, n_head, n_head_kv or n_head)
+    if devices:
+        dispatch_layers(student, devices)
+        if isinstance(teacher, nn.Module):
+            dispatch_layers(teacher, devices)
+    else:
+        student.to(device)
+        if isinstance(teacher, nn.Module):
+            teacher.to(device)
+
+    params = gate_parameters(student)
+    ids_of = {id(p) for p in params}
+    for p in student.parameters():
+        p.requires_grad_(id(p) in ids_of)
+    if cfg.gradient_checkpointing and hasattr(student, "gradient_checkpointing_enable"):
+        student.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": False})
+        student.train()
+    else:
+        student.eval()
+    if isinstance(teacher, nn.Module):
+        teacher.eval()
+        teacher_fn = lambda ids: _logits(teacher, ids)  # noqa: E731
+    else:
+        teacher_fn = teacher
+    forward = None
+    if cfg.compile and torch.device(device).type == "cuda" and tp == 1 and not devices:
+        forward = torch.compile(student)
+    optimizer = torch.optim.Adam(params, lr=cfg.lr)
+    grad_sync = _dp_grad_sync(dp_group, dp)
+    input_device = torch.device(devices[0] if devices else device)
+
+    # ---- resume
+    local_dir = Path(config["local_dir"]) if config.get("local_dir") else None
+    ckpt_dir = None
+    ck = backend.get_checkpoint()
+    step, history = 0, []
+    if local_dir is not None:
+        ckpt_dir = _latest_local(local_dir)
+    with (ck.as_directory() if ck is not None and ckpt_dir is None
+          else _nullpath(ckpt_dir)) as d:
+        if d is not None:
+            st = load_checkpoint_state(d)
+            mine, theirs = cfg.to_dict(), dict(st["config"])
+            diff = sorted(k for k in set(mine) | set(theirs)
+                          if k not in _RESUME_FREE and mine.get(k) != theirs.get(k))
+            if diff or int(st["budget_bytes"]) != int(budget):
+                raise ValueError(f"checkpoint {d} belongs to a different run (differs in "
+                                 f"{diff or ['budget_bytes']}); use the same settings or a new "
+                                 f"run name")
+            own = Path(d) / f"rank-{rank:04d}.pt"
+            rk = torch.load(own if own.is_file() else Path(d) / "rank-0000.pt",
+                            map_location="cpu", weights_only=True)
+            load_gate_state(student, st["gates"])
+            optimizer.load_state_dict(rk["optimizer"])
+            _set_rng_state(rk["rng"])
+            step, history = int(st["step"]), list(st["history"])
+        else:
+            init_gates(mixed_weights(student), cfg.gate_init, budget_bpw(budget, shapes),
+                       cfg.gate_init_strength)
+            torch.manual_seed(cfg.seed)
+
+    ckpt_every = int(config.get("checkpoint_every") or cfg.partial_save_interval)
+    report_every = int(config.get("report_every") or 1)
+    stop_after = config.get("stop_after")
+    end = cfg.max_steps if stop_after is None else min(cfg.max_steps, int(stop_after))
+    hook = config.get("step_hook")
+    num_to_keep = config.get("num_to_keep") or 2
+
+    def metrics_of(m):
+        out = dict(m, step=step, budget_bytes=int(budget),
+                   expected_bytes=float(m["size_ratio"]) * budget)
+        if config.get("report_objective"):
+            out["objective"] = float(m["kl"]) + float(m["penalty"])
+        return out
+
+    def save_and_report(m):
+        final = step >= cfg.max_steps
+        with tempfile.TemporaryDirectory(prefix="voodoo-ckpt-") as tmp:
+            d = Path(tmp)
+            if local_dir is not None:
+                d = local_dir / f".tmp_checkpoint_{step:06d}"
+                d.mkdir(parents=True, exist_ok=True)
+            torch.save({"step": step, "gates": gate_state(student),
+                        "optimizer": optimizer.state_dict(), "rng": _rng_state()},
+                       d / f"rank-{rank:04d}.pt")
+            if rank == 0:
+                torch.save({"version": CKPT_VERSION, "config": cfg.to_dict(), "step": step,
+                            "gates": gate_state(student), "history": history,
+                            "budget_bytes": int(budget),
+                            "layout": {"tensor_parallel": tp, "data_parallel": dp}},
+                           d / STATE_FILE)
+                (d / META_FILE).write_text(json.dumps(
+                    {"step": step, "finished": final, "budget_bytes": int(budget),
+                     "metrics": m}, indent=2))
+            if local_dir is not None:
+                _barrier(world)
+                final_dir = local_dir / f"checkpoint_{step:06d}"
+                if rank == 0:
+                    if final_dir.exists():
+                        shutil.rmtree(final_dir)
+                    os.replace(d, final_dir)
+                    for old in sorted(local_dir.glob("checkpoint_*"))[:-num_to_keep]:
+                        shutil.rmtree(old, ignore_errors=True)
+                _barrier(world)
+                d = final_dir
+            backend.report(metrics_of(m), str(d))
+
+    def final():
+        return {"gates": gate_state(student), "step": step, "budget_bytes": int(budget),
+                "history": history, "metrics": metrics_of(history[-1]) if history else {}}
+
+    if step >= end:  # nothing left: report the state we resumed (so the result has it)
+        save_and_report(history[-1] if history else {k: float("nan") for k in METRICS})
+        return final()
+    while step < end:
+        idx = batch_indices(step, len(job.train_blocks), cfg.batch_size, cfg.seed)[dp_rank::dp]
+        ids = job.train_blocks[idx].to(input_device)
+        m = train_step(student, teacher_fn, ids, optimizer, params, cfg, budget,
+                       temperature_at(step, cfg), grad_sync, forward)
+        history.append(m)
+        step += 1
+        if step % ckpt_every == 0 or step == end:
+            save_and_report(m)
+        elif step % report_every == 0:
+            backend.report(metrics_of(m))
+        if hook is not None:
+            hook(step, info, student)
+    return final()
+
+
+class _nullpath:
+    """Context manager yielding a path (or None), like Checkpoint.as_directory."""
+
+    def __init__(self, p):
+        self.p = p
+
+    def __enter__(self):
+        return None if self.p is None else str(self.p)
+
+    def __exit__(self, *exc):
+        return False
+
+
+# --------------------------------------------------------------------------- the driver
+
+
+def run_training(factory: Callable[[WorkerInfo], StudentJob], cfg: TrainConfig, *,
+                 num_workers: int | None = 0, use_gpu: bool = False, tensor_parallel: int = 1,
+                 data_parallel: int | None = None, run_name: str = "voodoo-train",
+                 storage_path: str | os.PathLike | None = None, max_failures: int = 0,
+                 num_to_keep: int = 2, device_map: str | list | None = None,
+                 resources_per_worker: dict | None = None, checkpoint_every: int | None = None,
+                 report_every: int = 1, stop_after: int | None = None,
+                 step_hook: Callable | None = None, shared: Any = None,
+                 callbacks: list | None = None, report_objective: bool = False) -> RunResult:
+    """Trains gates with a ``TorchTrainer``; returns the final state from its last checkpoint.
+
+    Args:
+        factory: picklable ``factory(WorkerInfo) -> StudentJob`` (see :class:`StudentJob`).
+        cfg: the TrainConfig (identical on every worker).
+        num_workers: Ray Train workers. 0: in-process (Ray's local mode; with ``torchrun``
+            environment variables set, torchrun's processes form the group); None:
+            ``tensor_parallel * data_parallel``.
+        use_gpu: one GPU per worker (NCCL); the worker's device comes from Ray.
+        tensor_parallel: ranks per model replica (:mod:`cluster.tp`); data_parallel: replicas
+            (default ``num_workers // tensor_parallel``).
+        run_name: the RunConfig name; keep it fixed to resume (never a timestamp).
+        storage_path: RunConfig storage (shared storage on multi-node clusters); default
+            ``~/ray_results``.
+        max_failures: worker-group restarts (FailureConfig); each resumes from the last
+            checkpoint. num_to_keep: CheckpointConfig.
+        device_map: ``"cuda:0,cuda:1"``: layer-wise split inside each worker
+            (:func:`dispatch_layers`).
+        resources_per_worker: ScalingConfig's (e.g. ``{"CPU": 0.5}``).
+        checkpoint_every/report_every/stop_after/step_hook/report_objective: see
+            :func:`train_loop_per_worker`. shared: any object the factory needs on every
+            worker (candidates, weights): put in the object store once.
+        callbacks: RunConfig callbacks (e.g. Tune's ``TuneReportCallback``).
+
+    Raises ValueError for inconsistent sizes; ``ray.train.TrainingFailedError`` when the run
+    fails more than ``max_failures`` times (the workers' error inside)."""
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    tensor_parallel = int(tensor_parallel)
+    if tensor_parallel < 1:
+        raise ValueError(f"tensor_parallel must be >= 1, got {tensor_parallel}")
+    if num_workers is None:
+        num_workers = tensor_parallel * (data_parallel or 1)
+    if num_workers > 0:
+        dp = data_parallel or num_workers // tensor_parallel
+        if dp * tensor_parallel != num_workers:
+            raise ValueError(f"num_workers={num_workers} must equal tensor_parallel "
+                             f"({tensor_parallel}) x data_parallel ({data_parallel})")
+    storage = os.path.abspath(os.path.expanduser(str(storage_path or "~/ray_results")))
+    devices = parse_device_map(device_map)
+    if shared is not None and num_workers > 0:
+        import ray
+        if not ray.is_initialized():
+            ray.init()
+        shared = ray.put(shared)
+    loop_config = {
+        "factory": factory, "cfg": cfg.to_dict(), "tensor_parallel": tensor_parallel,
+        "use_gpu": use_gpu, "device_map": devices, "checkpoint_every": checkpoint_every,
+        "report_every": report_every, "stop_after": stop_after, "step_hook": step_hook,
+        "shared": shared, "num_to_keep": num_to_keep, "report_objective": report_objective,
+        "local_dir": os.path.join(storage, run_name) if num_workers == 0 else None,
+    }
+    scaling = ScalingConfig(num_workers=num_workers, use_gpu=use_gpu and num_workers > 0,
+                            resources_per_worker=resources_per_worker)
+    run_config = RunConfig(name=run_name, storage_path=storage,
+                           failure_config=FailureConfig(max_failures=max_failures),
+                           checkpoint_config=CheckpointConfig(num_to_keep=num_to_keep),
+                           callbacks=callbacks)
+    trainer = TorchTrainer(train_loop_per_worker, train_loop_config=loop_config,
+                           scaling_config=scaling, run_config=run_config)
+    result = trainer.fit()
+    if result.checkpoint is None:
+        raise RuntimeError(f"run {run_name} finished without a checkpoint")
+    with result.checkpoint.as_directory() as d:
+        st = load_checkpoint_state(d)
+        path = result.checkpoint.path
+    return RunResult(gates=st["gates"], step=int(st["step"]),
+                     finished=int(st["step"]) >= cfg.max_steps,
+                     budget_bytes=int(st["budget_bytes"]), history=list(st["history"]),
+                     metrics=dict(result.metrics or {}), checkpoint_path=path)
