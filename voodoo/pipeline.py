@@ -1,0 +1,367 @@
+"""The main job, stage by stage: model -> data -> imatrix -> menus -> candidates -> student ->
+gate training -> bake -> export -> eval. No Ray here: the candidate stage takes a ``precache``
+callable, which the CLI sets to the Ray actors of :mod:`cluster.precache` (or to
+:func:`voodoo.candidates.precache_local`).
+
+Each stage reads what the one before wrote, so each can run alone from the CLI. A run folder
+(``--output_dir``) holds::
+
+    data/               train.pt, eval.pt, meta.json          (voodoo data)
+    imatrix.gguf        llama.cpp's GGUF imatrix format        (computed unless --imatrix)
+    teacher/            bf16/ and q8_0/ checkpoints             (voodoo make-teacher)
+    train/              partial.pt (journal), train_config.json
+    <name>.assignment.json, <name>.gates.pt, <name>.gguf, <name>.tensor-types.txt
+    eval/               report.json, report.md
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from . import quants
+from .arch import Adapter, TensorSpec, get_adapter
+from .candidates import CandidateCache, CandidateJob, candidate_key
+from .models import PreparedModel, load_hf_model, prepare_model
+
+__all__ = [
+    "Context", "Timer", "load_context", "base_weights", "make_menus", "parse_types",
+    "ensure_dataset", "ensure_imatrix", "candidate_jobs", "ensure_candidates",
+    "build_student", "build_teacher", "bytes_table", "selectable_budget", "train",
+    "bake_assignment", "export", "assign_student",
+]
+
+
+def log(msg: str) -> None:
+    print(f"[voodoo] {msg}", file=sys.stderr, flush=True)
+
+
+class Timer:
+    """Wall time per stage, for the closing table of ``voodoo run``."""
+
+    def __init__(self):
+        self.stages: dict[str, float] = {}
+        self.t0 = time.perf_counter()
+
+    def __call__(self, name: str):
+        timer = self
+
+        class _S:
+            def __enter__(self):
+                self.t = time.perf_counter()
+                log(f"--- {name}")
+
+            def __exit__(self, *exc):
+                timer.stages[name] = timer.stages.get(name, 0.0) + time.perf_counter() - self.t
+        return _S()
+
+    def report(self) -> str:
+        total = time.perf_counter() - self.t0
+        lines = [f"| stage | seconds | share |", "| --- | ---: | ---: |"]
+        for k, v in self.stages.items():
+            lines.append(f"| {k} | {v:.1f} | {100 * v / total:.0f}% |")
+        lines.append(f"| **total** | {total:.1f} | 100% |")
+        return "\n".join(lines)
+
+
+@dataclass
+class Context:
+    """A model ready for the later stages."""
+
+    prepared: PreparedModel
+    adapter: Adapter
+    model: torch.nn.Module
+    specs: list[TensorSpec]
+    tokenizer: object = None
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def shapes(self) -> dict[str, tuple[int, int]]:
+        return {s.gguf_name: tuple(s.shape) for s in self.specs}
+
+
+def load_context(model_arg, work_dir=None, with_tokenizer: bool = True) -> Context:
+    """Prepares ``model_arg`` (see :func:`voodoo.models.prepare_model`), loads it in float32 and
+    lists its selectable tensors through its architecture adapter.
+
+    Raises ModelPreparationError / UnsupportedArchitecture with what to do."""
+    prepared = prepare_model(model_arg, work_dir)
+    model = load_hf_model(prepared)
+    adapter = get_adapter(model.config)
+    specs = adapter.selectable(model)
+    tok = None
+    if with_tokenizer:
+        from transformers import AutoTokenizer
+        tok = AutoTokenizer.from_pretrained(prepared.hf_dir)
+    return Context(prepared, adapter, model, specs, tok)
+
+
+def base_weights(base_gguf) -> dict[str, np.ndarray]:
+    """GGUF name -> float32 (n_rows, n_per_row) view (memory-mapped) of every 2-D tensor of the
+    base F32 GGUF, in GGUF layout."""
+    from gguf import GGMLQuantizationType, GGUFReader
+    r = GGUFReader(str(base_gguf))
+    out = {}
+    for t in r.tensors:
+        if t.tensor_type == GGMLQuantizationType.F32 and len(t.shape) == 2:
+            out[t.name] = np.asarray(t.data).reshape(int(t.shape[1]), int(t.shape[0]))
+    return out
+
+
+def parse_types(text: str | Sequence[str] | None) -> list[str] | None:
+    """``"Q8_0,Q6_K IQ4_XS"`` -> ``["Q8_0", "Q6_K", "IQ4_XS"]`` (validated; None passes)."""
+    if text is None:
+        return None
+    items = text.replace(",", " ").split() if isinstance(text, str) else list(text)
+    if not items:
+        raise ValueError("an empty list of candidate types")
+    return [quants.qtype(t).name for t in items]
+
+
+def make_menus(specs: Sequence[TensorSpec], candidate_types=None, attention_candidates=None,
+               non_attention_candidates=None) -> dict[str, list[str]]:
+    """Per tensor, its menu of type names after llama.cpp's shape fallbacks, deduplicated, most
+    to fewest bpw (:func:`voodoo.quants.build_menu`). ``candidate_types`` applies to every
+    tensor; the per-role lists override it for their role (the adapter says which tensors are
+    attention-side).
+
+    Raises ValueError for an unknown type or a menu that ends up empty."""
+    base = parse_types(candidate_types)
+    attn = parse_types(attention_candidates) or base or list(quants.DEFAULT_ATTENTION_MENU)
+    other = parse_types(non_attention_candidates) or base or \
+        list(quants.DEFAULT_NON_ATTENTION_MENU)
+    menus = {}
+    for s in specs:
+        types = attn if s.role == "attention" else other
+        menus[s.gguf_name] = [q.name for q in quants.build_menu(types, s.n_per_row)]
+    return menus
+
+
+def bytes_table(specs: Sequence[TensorSpec], menus: Mapping[str, Sequence[str]]
+                ) -> dict[str, list[int]]:
+    """gguf_name -> bytes of the tensor as each menu type (:func:`voodoo.quants.tensor_nbytes`)."""
+    return {s.gguf_name: [quants.tensor_nbytes(t, s.n_rows, s.n_per_row)
+                          for t in menus[s.gguf_name]] for s in specs}
+
+
+def selectable_budget(specs, compression_ratio=None, target_bits=None, budget_reduction=0.0,
+                      budget_bytes_=None) -> int:
+    """The budget in bytes over the selectable tensors (see :func:`voodoo.budget.budget_bytes`);
+    ``budget_bytes_`` wins when given."""
+    from .budget import budget_bytes
+    if budget_bytes_ is not None:
+        return int(budget_bytes_)
+    shapes = {s.gguf_name: tuple(s.shape) for s in specs}
+    return int(budget_bytes(shapes, compression_ratio=compression_ratio,
+                            target_bits=target_bits, budget_reduction=budget_reduction))
+
+
+# ------------------------------------------------------------------------------- data
+def ensure_dataset(ctx: Context, data_dir, source="enwiki", seq_len=512, n_train=64,
+                   n_eval=8, seed=0):
+    """Loads ``data_dir`` if it holds a dataset with ``seq_len``, else builds it
+    (:func:`voodoo.data.build_dataset`). Returns (train, eval, meta)."""
+    from .data import DatasetError, build_dataset, load_dataset_dir
+    data_dir = Path(data_dir)
+    if (data_dir / "meta.json").is_file():
+        try:
+            tr, ev, meta = load_dataset_dir(data_dir)
+            if tr.shape[1] == seq_len and tr.shape[0] >= n_train and ev.shape[0] >= n_eval:
+                return tr[:n_train], ev[:n_eval], meta
+            log(f"{data_dir} holds blocks of {tr.shape[1]} tokens ({tr.shape[0]} train); "
+                f"rebuilding for seq_len={seq_len}, {n_train} train blocks")
+        except DatasetError as e:
+            log(f"{data_dir}: {e}; rebuilding")
+    build_dataset(ctx.tokenizer, source, data_dir, seq_len=seq_len, n_train_blocks=n_train,
+                  n_eval_blocks=n_eval, seed=seed)
+    tr, ev, meta = load_dataset_dir(data_dir)
+    return tr, ev, meta
+
+
+# ----------------------------------------------------------------------------- imatrix
+def _linear_name_map(ctx: Context) -> dict[str, str]:
+    """HF nn.Linear module name -> GGUF name, for every selectable Linear and tied head."""
+    out = {}
+    for s in ctx.specs:
+        mods = [s.module_name] if s.kind == "linear" else []
+        mods += list(s.tied_to or [])
+        for m in mods:
+            if isinstance(ctx.model.get_submodule(m), torch.nn.Linear):
+                out[m] = s.gguf_name
+    return out
+
+
+def ensure_imatrix(ctx: Context, path, blocks: torch.Tensor | None = None,
+                   imatrix_file=None, dataset_name: str = "voodoo") -> dict[str, np.ndarray]:
+    """The imatrix as llama-quantize uses it: gguf_name -> float32 (n_per_row,).
+
+    ``imatrix_file`` given: read it (llama.cpp's GGUF form or legacy ``.dat``). Otherwise
+    ``path`` is reused when it exists, else computed from ``blocks`` (calibration tokens; mean
+    squared input activation per column of every selectable Linear, as llama-imatrix does) and
+    saved at ``path`` in llama.cpp's GGUF format, so ``llama-quantize --imatrix`` can use the
+    very same file."""
+    from .imatrix import compute_imatrix, read_imatrix, write_imatrix_gguf
+    if imatrix_file:
+        return read_imatrix(imatrix_file)
+    path = Path(path)
+    if path.is_file():
+        return read_imatrix(path)
+    if blocks is None:
+        raise ValueError("no imatrix file and no calibration blocks to compute one")
+    log(f"computing the imatrix on {blocks.shape[0]} x {blocks.shape[1]} calibration tokens")
+    sums, counts = compute_imatrix(ctx.model, blocks, _linear_name_map(ctx), progress=True)
+    write_imatrix_gguf(path, sums, counts, datasets=[dataset_name],
+                       chunk_count=int(blocks.shape[0]), chunk_size=int(blocks.shape[1]))
+    return read_imatrix(path)
+
+
+# -------------------------------------------------------------------------- candidates
+def candidate_jobs(ctx: Context, menus, imatrix, weights=None) -> list[CandidateJob]:
+    """One job per (tensor, menu type): weights in GGUF layout from the base F32 GGUF."""
+    weights = weights if weights is not None else base_weights(ctx.prepared.base_gguf)
+    jobs = []
+    for s in ctx.specs:
+        w = weights.get(s.gguf_name)
+        if w is None:
+            raise KeyError(f"{s.gguf_name} is not an F32 2-D tensor of {ctx.prepared.base_gguf}")
+        row = imatrix.get(s.gguf_name) if imatrix else None
+        for t in menus[s.gguf_name]:
+            jobs.append(CandidateJob(s.gguf_name, w, t, row))
+    return jobs
+
+
+def ensure_candidates(ctx: Context, menus, imatrix, cache: CandidateCache,
+                      precache: Callable | None = None) -> dict[tuple[str, str], object]:
+    """Quantizes every (tensor, menu type) not yet in ``cache``; returns {(name, type): key}.
+
+    ``precache(jobs, cache)``: the executor (Ray actors or :func:`precache_local`)."""
+    from .candidates import precache_local
+    jobs = candidate_jobs(ctx, menus, imatrix)
+    run = precache or precache_local
+    return dict(run(jobs, cache))
+
+
+def _dequantized(cache: CandidateCache, key, type_name: str, n_per_row: int) -> np.ndarray:
+    import cython_ggml as cg
+    data = cache.get(key)
+    if data is None:
+        raise RuntimeError(f"candidate {type_name} ({key}) is missing from {cache}; run "
+                           "`voodoo precache` again")
+    return cg.dequantize(np.ascontiguousarray(data), type_name, n_per_row)
+
+
+def build_student(ctx: Context, menus, keys, cache: CandidateCache, dtype=torch.float32,
+                  device="cpu"):
+    """Installs the gates on ``ctx.model`` (in place): each selectable tensor gets its K
+    candidates, dequantized by libggml exactly as llama.cpp does and un-permuted to HF layout.
+    Returns gguf_name -> MixedWeight."""
+    from .gates import install_gates
+    cands, table = {}, bytes_table(ctx.specs, menus)
+    for s in ctx.specs:
+        stack = []
+        for t in menus[s.gguf_name]:
+            deq = _dequantized(cache, keys[(s.gguf_name, t)], t, s.n_per_row)
+            stack.append(torch.from_numpy(np.ascontiguousarray(
+                ctx.adapter.gguf_rows_to_hf(s.gguf_name, deq))).to(dtype))
+        cands[s.gguf_name] = torch.stack(stack).to(device)
+    ctx.model.to(device)
+    return install_gates(ctx.model, ctx.specs, cands, table, menus=menus)
+
+
+@torch.no_grad()
+def build_teacher(ctx: Context, teacher_quant: str = "BF16", keys=None, cache=None,
+                  imatrix=None, checkpoint=None):
+    """The teacher for distillation: ``checkpoint`` (an HF folder) if given; else a copy of the
+    base model whose selectable weights are rounded to ``BF16`` (computed in float32), or passed
+    through Q8_0 by libggml (``Q8_0``). Call before :func:`build_student` (which replaces the
+    modules of ``ctx.model``)."""
+    import copy
+
+    import cython_ggml as cg
+    if checkpoint:
+        from transformers import AutoModelForCausalLM
+        return AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    tq = teacher_quant.upper()
+    if tq not in ("BF16", "Q8_0", "F32"):
+        raise ValueError(f"--teacher_quant must be BF16, Q8_0 or F32, not {teacher_quant!r}")
+    teacher = copy.deepcopy(ctx.model).eval()
+    if tq == "F32":
+        return teacher
+    for s in ctx.specs:
+        w = teacher.get_submodule(s.module_name).weight
+        if tq == "BF16":
+            w.copy_(w.to(torch.bfloat16).to(w.dtype))
+        else:
+            g = ctx.adapter.hf_rows_to_gguf(s.gguf_name, w.detach().cpu().float().numpy())
+            q = cg.quantize(np.ascontiguousarray(g), "Q8_0")
+            d = ctx.adapter.gguf_rows_to_hf(s.gguf_name, cg.dequantize(q, "Q8_0", s.n_per_row))
+            w.copy_(torch.from_numpy(np.ascontiguousarray(d)))
+    return teacher
+
+
+def train(ctx: Context, teacher, train_blocks, cfg, out_dir, budget=None, **kw):
+    """:func:`voodoo.train.train_gates` with the run folder's journal (``out_dir/partial.pt``)."""
+    from .train import train_gates
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    return train_gates(ctx.model, teacher, train_blocks, cfg, output_dir=out_dir,
+                       budget=budget, **kw)
+
+
+def bake_assignment(gates, menus, table, budget, tensor_upgrades=None, tolerance=0.005,
+                    path=None) -> dict:
+    """:func:`voodoo.bake.bake`, saved as JSON at ``path`` (atomically) when given."""
+    from .bake import bake
+    a = bake(gates, menus, table, budget, tensor_upgrades=tensor_upgrades, tolerance=tolerance)
+    if path:
+        write_json(path, a)
+    return a
+
+
+def export(ctx: Context, assignment, keys, cache: CandidateCache, out_path,
+           extra_kv=None) -> Path:
+    """Writes the GGUF (bytes from the candidate cache) and, beside it, the
+    ``--tensor-type-file`` that makes llama-quantize write the same tensors from the base F32
+    GGUF and the imatrix."""
+    from .export import export_gguf, write_tensor_type_file
+
+    def lookup(name, t):
+        data = cache.get(keys[(name, t)])
+        if data is None:
+            raise RuntimeError(f"candidate {name} as {t} is missing from the cache")
+        return data
+    out_path = Path(out_path)
+    p = export_gguf(ctx.prepared.base_gguf, assignment, lookup, out_path, extra_kv=extra_kv)
+    write_tensor_type_file(assignment, out_path.with_suffix(".tensor-types.txt"),
+                           base_gguf=ctx.prepared.base_gguf)
+    return p
+
+
+def assign_student(mixed: Mapping, assignment: Mapping) -> None:
+    """Sets every gate one-hot on its assigned type (logits 0 / -inf-like), for evaluating the
+    baked model in torch."""
+    with torch.no_grad():
+        for name, mw in mixed.items():
+            t = assignment["tensors"][name]["type"]
+            k = list(assignment["tensors"][name]["menu"]).index(t)
+            mw.logits.fill_(-1e4)
+            mw.logits[k] = 1e4
+            mw.temperature.fill_(1.0)
+
+
+def write_json(path, obj) -> Path:
+    """Atomic JSON write (tmp file + os.replace)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(obj, indent=1, default=str))
+    os.replace(tmp, path)
+    return path

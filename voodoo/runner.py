@@ -1,0 +1,69 @@
+"""The end of ``voodoo run``: the Voodoo GGUF beside stock llama.cpp file types (quantized by
+``llama-quantize`` from the same base F32 GGUF with the same imatrix), every file measured by
+``llama-perplexity`` against the reference model, and where the wall time went."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .pipeline import log, write_json
+
+
+def gguf_bpw(path) -> tuple[int, float]:
+    """(tensor bytes, bits per weight over all tensors) of a GGUF file."""
+    from gguf import GGUFReader
+    r = GGUFReader(str(path))
+    nbytes = sum(int(t.n_bytes) for t in r.tensors)
+    n = sum(int(t.n_elements) for t in r.tensors)
+    return nbytes, 8.0 * nbytes / n
+
+
+def stock_file(base_gguf, ftype: str, imatrix_file, out_dir) -> Path:
+    """``llama-quantize --imatrix I base out FTYPE`` (cached in ``out_dir``)."""
+    from .export import quantize_with_llama
+    out = Path(out_dir) / f"stock.{ftype}.gguf"
+    if not out.is_file():
+        log(f"llama-quantize {ftype}")
+        quantize_with_llama(base_gguf, out, imatrix_file=imatrix_file, default_type=ftype)
+    return out
+
+
+def compare_with_stock(r) -> list[dict]:
+    """Quantizes ``r.a.stock_types``, evaluates them, the Voodoo GGUF and the reference with
+    llama-perplexity (``--kl-divergence`` against the reference), prints the table and the
+    timing, and writes ``<output_dir>/eval/report.{json,md}``. Returns the rows."""
+    from .cli import _default_eval_text
+    from .evaluate import format_table, run_perplexity, save_report
+    a, out = r.a, r.out
+    text = Path(a.eval_text) if a.eval_text else _default_eval_text()
+    if text is None:
+        text = out / "eval" / "eval-split.txt"
+        text.parent.mkdir(parents=True, exist_ok=True)
+        text.write_text("\n".join(r.ctx.tokenizer.decode(b) for b in r.eval_blocks))
+    ref = r.ctx.prepared.reference_gguf
+    files = [("Voodoo", r.gguf)]
+    with r.timer("stock llama-quantize"):
+        for ft in [t for t in a.stock_types.replace(",", " ").split() if t]:
+            files.append((f"stock {ft}", stock_file(r.ctx.prepared.base_gguf, ft,
+                                                     r.imatrix_path, out / "stock")))
+    rows = []
+    with r.timer("llama-perplexity"):
+        for label, f in files:
+            res = run_perplexity(f, text, ctx=a.ctx, chunks=a.chunks, kl_base=ref)
+            nbytes, bpw = gguf_bpw(f)
+            rows.append({"file": label, "name": Path(f).name, "size_mib": f.stat().st_size / 2**20,
+                         "bpw": bpw, "ppl": res.get("ppl"), "kld": res.get("kld"),
+                         "kld_p99_9": res.get("kld_p99_9"), "same_top_p": res.get("same_top_p"),
+                         "ppl_base": res.get("ppl_base")})
+    rows.sort(key=lambda x: x["size_mib"])
+    cols = ["file", "size_mib", "bpw", "ppl", "kld", "kld_p99_9", "same_top_p"]
+    table = format_table(rows, cols)
+    base_ppl = next((x["ppl_base"] for x in rows if x.get("ppl_base")), None)
+    print(f"\nllama-perplexity -c {a.ctx} --chunks {a.chunks} on {text.name}; KLD vs "
+          f"{Path(ref).name} (PPL {base_ppl})\n")
+    print(table)
+    print("\nwall time\n")
+    print(r.timer.report())
+    save_report(rows, out / "eval" / "report.json")
+    write_json(out / "eval" / "timing.json", r.timer.stages)
+    return rows
