@@ -3,7 +3,6 @@ tensor-type file and the same imatrix reproduces it byte for byte; llama.cpp loa
 
 from __future__ import annotations
 
-import os
 import subprocess
 
 import numpy as np
