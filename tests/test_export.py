@@ -215,8 +215,8 @@ def test_export_matches_llama_quantize_and_loads(tiny_prepared, tmp_path):
         assert np.array_equal(np.asarray(a[n].data).view(np.uint8),
                               np.asarray(b[n].data).view(np.uint8)), f"{n} bytes differ"
 
-    # llama.cpp loads and runs the exported file. --no-repack: this build (GGML_NATIVE on an
-    # AMX CPU) repacks into AMX tiles, which the sandbox's kernel refuses (SIGILL on tilezero).
+    # llama.cpp loads and runs the exported file. --no-repack: a native build on an AMX CPU
+    # repacks weights into AMX tiles, which some VMs' kernels refuse (SIGILL on tilezero).
     ppl = _tool("llama-perplexity")
     text = tmp_path / "text.txt"
     text.write_text(" ".join(["The quick brown fox jumps over the lazy dog."] * 60))
