@@ -293,7 +293,8 @@ def run_loop(config: dict, backend) -> dict:
     penalty`` to the metrics, for Tune schedulers).
 
     ``backend``: :class:`RayTrainBackend` or anything with its methods. Returns (on every
-    rank) ``{"gates", "step", "budget_bytes", "history", "metrics"}`` of the final state.
+    rank) ``{"gates", "step", "budget_bytes", "history", "metrics", "job"}`` of the final
+    state (``job``: the factory's StudentJob, its student sharded/dispatched as trained).
 
     Raises ValueError (world size not divisible by tensor_parallel, a checkpoint of another
     run, a budget out of reach), TensorParallelError (the split is not possible)."""
@@ -449,7 +450,8 @@ def run_loop(config: dict, backend) -> dict:
 
     def final():
         return {"gates": gate_state(student), "step": step, "budget_bytes": int(budget),
-                "history": history, "metrics": metrics_of(history[-1]) if history else {}}
+                "history": history, "metrics": metrics_of(history[-1]) if history else {},
+                "job": job}
 
     if step >= end:  # nothing left: report the state we resumed (so the result has it)
         save_and_report(history[-1] if history else {k: float("nan") for k in METRICS})

@@ -1,0 +1,255 @@
+"""A Ray Tune sweep over the size penalty's weight and dead zone (and optionally the lr).
+
+Each trial is a Tune function trainable that runs the same loop as Ray Train's workers
+(:func:`cluster.train.run_loop`) in the trial's process, with a :class:`TuneBackend`: it reports
+every ``report_every`` steps through ``ray.tune.report`` (with a checkpoint every
+``checkpoint_every`` steps, so a restarted trial resumes) -- the intermediate ``objective`` is
+the training proxy ``kl + penalty`` on the training batch (soft gates) -- and ASHA
+(``ASHAScheduler``) stops weak trials on it. A trial that finishes **bakes** its gates
+(:func:`voodoo.bake.bake`) and reports the real objective once more:
+
+    objective = KL(teacher || student with one-hot gates of the baked assignment)
+                (mean per token over the job's eval blocks, nats)
+
+or :data:`FAIL_OBJECTIVE` when the baked size misses the budget (above
+``budget * (1 + tolerance)``, or bake cannot reach it). Why a function trainable and not a
+``TorchTrainer`` per trial (RAY.md's Train-V2 recipe): trials are single-process, and Ray
+Train's in-process mode does not forward reports to Tune; the loop is the same code either way.
+
+Search: ``OptunaSearch`` when optuna is installed (else Tune's random search);
+``size_weight`` log-uniform, ``size_tolerance`` uniform, ``lr`` log-uniform when given. Every
+trial reads the same shared object (candidates, weights) from the object store: it is
+``ray.put`` once by :func:`run_sweep`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from voodoo.bake import DEFAULT_TOLERANCE, bake
+from voodoo.gates import load_gate_state, mixed_weights
+from voodoo.train import TrainConfig, distill_losses
+
+from cluster.train import StudentJob, WorkerInfo, run_loop  # noqa: F401
+
+__all__ = ["OBJECTIVE", "FAIL_OBJECTIVE", "TuneBackend", "bake_student", "set_one_hot",
+           "eval_kl", "evaluate_assignment", "run_sweep"]
+
+#: The metric Tune minimises.
+OBJECTIVE = "objective"
+#: Reported instead of the KL when the baked size misses the budget.
+FAIL_OBJECTIVE = 1.0e6
+
+
+class TuneBackend:
+    """:func:`cluster.train.run_loop`'s backend inside a Tune function trainable (rank 0 of
+    1; ``ray.tune.get_checkpoint`` / ``ray.tune.report``)."""
+
+    def world(self):
+        return 0, 1
+
+    def get_checkpoint(self):
+        from ray import tune
+        return tune.get_checkpoint()
+
+    def report(self, metrics: dict, checkpoint_dir: str | None = None) -> None:
+        from ray import tune
+        ck = None if checkpoint_dir is None else tune.Checkpoint.from_directory(checkpoint_dir)
+        tune.report(metrics, checkpoint=ck)
+
+
+# --------------------------------------------------------------------------- evaluation
+
+
+def bake_student(student, gates: Mapping[str, torch.Tensor], budget: int,
+                 tolerance: float = DEFAULT_TOLERANCE, temperature: float = 1.0,
+                 tensor_upgrades=None) -> dict:
+    """:func:`voodoo.bake.bake` with the menus and byte sizes read from ``student``'s gates
+    (``MixedWeight.types``/``nbytes``). Raises ValueError when a gate has no type names, or
+    from bake (budget unreachable...)."""
+    mws = mixed_weights(student)
+    if any(m.types is None for m in mws.values()):
+        raise ValueError("the student's gates have no type names; pass menus= to install_gates")
+    menus = {n: list(m.types) for n, m in mws.items()}
+    nb = {n: [int(b) for b in m.nbytes.tolist()] for n, m in mws.items()}
+    return bake(gates, menus, nb, budget, tensor_upgrades, tolerance, temperature)
+
+
+@torch.no_grad()
+def set_one_hot(student, assignment: dict, big: float = 1.0e4) -> None:
+    """Sets each gate's logits to 0 for its assigned type and ``-big`` elsewhere (softmax is
+    exactly one-hot in float32 at any temperature <= 1). Raises KeyError for a tensor missing
+    from ``assignment["tensors"]``."""
+    for n, m in mixed_weights(student).items():
+        k = list(m.types).index(assignment["tensors"][n]["type"])
+        z = torch.full_like(m.logits, -big)
+        z[k] = 0.0
+        m.logits.copy_(z)
+
+
+@torch.no_grad()
+def eval_kl(student, teacher, blocks: torch.Tensor, batch_size: int = 4) -> float:
+    """Mean KL(teacher || student) per token in nats over ``blocks`` (M, T) int64, both models
+    on the blocks' device (:func:`voodoo.train.distill_losses`)."""
+    tot, n = 0.0, 0
+    for i in range(0, len(blocks), batch_size):
+        ids = blocks[i:i + batch_size]
+        s = student(input_ids=ids, use_cache=False).logits
+        t = teacher(input_ids=ids, use_cache=False).logits if isinstance(teacher, torch.nn.Module) \
+            else teacher(ids)
+        _, kl = distill_losses(s, t, ids)
+        tot += float(kl) * ids.numel()
+        n += ids.numel()
+    return tot / n
+
+
+def evaluate_assignment(job: StudentJob, gates: Mapping[str, torch.Tensor], budget: int,
+                        tolerance: float = DEFAULT_TOLERANCE) -> dict:
+    """Bakes ``gates`` on the (un-sharded) ``job``'s student and measures it.
+
+    Returns ``{"objective", "kl", "total_bytes", "budget_bytes", "ok", "assignment"}``:
+    ``ok`` is False (and ``objective`` = :data:`FAIL_OBJECTIVE`, ``kl`` NaN) when bake raises
+    or the baked total is above ``budget * (1 + tolerance)``. Raises ValueError when the job
+    has no eval blocks."""
+    if job.eval_blocks is None or len(job.eval_blocks) == 0:
+        raise ValueError("the job has no eval_blocks to measure the baked assignment on")
+    load_gate_state(job.student, gates)
+    try:
+        a = bake_student(job.student, gates, budget, tolerance)
+    except ValueError as e:
+        return {"objective": FAIL_OBJECTIVE, "kl": math.nan, "total_bytes": -1,
+                "budget_bytes": int(budget), "ok": False, "assignment": None, "error": str(e)}
+    ok = a["total_bytes"] <= budget * (1 + tolerance)
+    kl = math.nan
+    if ok:
+        set_one_hot(job.student, a)
+        job.student.eval()
+        kl = eval_kl(job.student, job.teacher, job.eval_blocks)
+    return {"objective": kl if ok else FAIL_OBJECTIVE, "kl": kl, "total_bytes": a["total_bytes"],
+            "budget_bytes": int(budget), "ok": ok, "assignment": a}
+
+
+# --------------------------------------------------------------------------- the sweep
+
+
+def _trial(config: dict, *, factory, base_cfg: dict, shared, checkpoint_every: int,
+           report_every: int, tolerance: float) -> None:
+    """One Tune trial: train (reporting the proxy objective), bake, report the objective."""
+    from ray import tune
+    cfg = TrainConfig.from_dict(dict(base_cfg))
+    cfg = dataclasses.replace(cfg, **{k: config[k] for k in ("size_weight", "size_tolerance",
+                                                             "lr") if k in config})
+    loop_cfg = {"factory": factory, "cfg": cfg.to_dict(), "shared": shared,
+                "checkpoint_every": checkpoint_every, "report_every": report_every,
+                "report_objective": True}
+    out = run_loop(loop_cfg, TuneBackend())
+    ev = evaluate_assignment(out["job"], out["gates"], out["budget_bytes"], tolerance)
+    tune.report({OBJECTIVE: ev["objective"], "kl": ev["kl"], "total_bytes": ev["total_bytes"],
+                 "budget_bytes": ev["budget_bytes"], "ok": ev["ok"], "step": out["step"],
+                 "final": True})
+
+
+def run_sweep(factory: Callable[[WorkerInfo], StudentJob], cfg: TrainConfig, *,
+              num_samples: int = 8, size_weight: tuple[float, float] = (1.0, 1000.0),
+              size_tolerance: tuple[float, float] = (0.001, 0.02),
+              lr: tuple[float, float] | None = None, name: str = "voodoo-sweep",
+              storage_path: str | os.PathLike | None = None, shared: Any = None,
+              max_concurrent_trials: int = 2, grace_period: int | None = None,
+              reduction_factor: int = 2, use_optuna: bool | None = None,
+              cpus_per_trial: float = 1.0, gpus_per_trial: float = 0.0,
+              checkpoint_every: int | None = None, report_every: int = 1,
+              tolerance: float = DEFAULT_TOLERANCE, seed: int = 0,
+              print_table: bool = True) -> dict:
+    """Sweeps ``size_weight`` (log-uniform over the range), ``size_tolerance`` (uniform) and,
+    when ``lr`` is given, ``lr`` (log-uniform); minimises :data:`OBJECTIVE`.
+
+    factory/cfg/shared: as in :func:`cluster.train.run_training` (``shared`` is ``ray.put``
+    once and every trial reads it). ``cfg.max_steps`` steps per trial; ASHA
+    (``max_t = max_steps + 1`` reports, ``grace_period`` default ``max_steps // 4``). OptunaSearch
+    when ``use_optuna`` (default: when optuna imports). Trials run in their own processes with
+    ``cpus_per_trial``/``gpus_per_trial``; ``ray.init()`` is called if Ray is not up. Prints
+    the trials and the best config when ``print_table``.
+
+    Returns ``{"config": best param dict, "objective", "kl", "total_bytes", "budget_bytes",
+    "trial_id", "results": [per-trial dicts]}``. Raises RuntimeError when no trial finished
+    with a valid size."""
+    import ray
+    from ray import tune
+    from ray.tune.schedulers import ASHAScheduler
+
+    if not ray.is_initialized():
+        ray.init()
+    space = {"size_weight": tune.loguniform(*size_weight),
+             "size_tolerance": tune.uniform(*size_tolerance)}
+    if lr is not None:
+        space["lr"] = tune.loguniform(*lr)
+    if use_optuna is None:
+        try:
+            import optuna  # noqa: F401
+            use_optuna = True
+        except ImportError:
+            use_optuna = False
+    search_alg = None
+    if use_optuna:
+        from ray.tune.search.optuna import OptunaSearch
+        search_alg = OptunaSearch(seed=seed)
+    scheduler = ASHAScheduler(time_attr="training_iteration", max_t=cfg.max_steps + 1,
+                              grace_period=grace_period or max(1, cfg.max_steps // 4),
+                              reduction_factor=reduction_factor)
+    ref = ray.put(shared) if shared is not None else None
+    trainable = tune.with_parameters(
+        _trial, factory=factory, base_cfg=cfg.to_dict(), shared=ref,
+        checkpoint_every=checkpoint_every or cfg.partial_save_interval,
+        report_every=report_every, tolerance=tolerance)
+    trainable = tune.with_resources(trainable, {"cpu": cpus_per_trial, "gpu": gpus_per_trial})
+    storage = os.path.abspath(os.path.expanduser(str(storage_path or "~/ray_results")))
+    tuner = tune.Tuner(
+        trainable, param_space=space,
+        tune_config=tune.TuneConfig(metric=OBJECTIVE, mode="min", num_samples=num_samples,
+                                    search_alg=search_alg, scheduler=scheduler,
+                                    max_concurrent_trials=max_concurrent_trials),
+        run_config=tune.RunConfig(name=name, storage_path=storage))
+    grid = tuner.fit()
+    rows = []
+    for r in grid:
+        m = r.metrics or {}
+        rows.append({"trial_id": m.get("trial_id"), **{k: r.config.get(k) for k in space},
+                     OBJECTIVE: m.get(OBJECTIVE), "kl": m.get("kl") if m.get("final") else None,
+                     "total_bytes": m.get("total_bytes"), "budget_bytes": m.get("budget_bytes"),
+                     "finished": bool(m.get("final")), "ok": bool(m.get("ok")),
+                     "error": None if r.error is None else str(r.error).splitlines()[0]})
+    done = [r for r in rows if r["finished"] and r["ok"]]
+    if print_table:
+        _print_table(rows, list(space))
+    if not done:
+        raise RuntimeError(f"no trial of sweep {name} finished with a size within the budget; "
+                           f"see the table above")
+    best = min(done, key=lambda r: r[OBJECTIVE])
+    if print_table:
+        print(f"best: trial {best['trial_id']} objective {best[OBJECTIVE]:.6g} nats, "
+              f"config {{{', '.join(f'{k}: {best[k]:.6g}' for k in space)}}}")
+    return {"config": {k: best[k] for k in space}, "objective": best[OBJECTIVE],
+            "kl": best["kl"], "total_bytes": best["total_bytes"],
+            "budget_bytes": best["budget_bytes"], "trial_id": best["trial_id"], "results": rows}
+
+
+def _print_table(rows: list[dict], params: list[str]) -> None:
+    head = ["trial", *params, OBJECTIVE, "bytes/budget", "status"]
+    lines = [head]
+    for r in sorted(rows, key=lambda r: (not (r["finished"] and r["ok"]),
+                                         r[OBJECTIVE] if r[OBJECTIVE] is not None else math.inf)):
+        ratio = (f"{r['total_bytes'] / r['budget_bytes']:.4f}"
+                 if r["finished"] and r["ok"] and r["budget_bytes"] else "-")
+        status = ("error" if r["error"] else "done" if r["finished"] and r["ok"]
+                  else "over budget" if r["finished"] else "stopped (ASHA)")
+        obj = "-" if r[OBJECTIVE] is None else f"{r[OBJECTIVE]:.6g}"
+        lines.append([str(r["trial_id"]), *(f"{r[k]:.4g}" for k in params), obj, ratio, status])
+    widths = [max(len(row[i]) for row in lines) for i in range(len(head))]
+    for row in lines:
+        print("  ".join(c.ljust(w) for c, w in zip(row, widths)))
