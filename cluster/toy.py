@@ -102,14 +102,19 @@ class TinyLlamaFactory:
 class KillOnce:
     """Step hook (``run_training(step_hook=...)``) that kills its worker process with
     ``os._exit(1)`` once, on rank ``rank`` after step ``at_step``; ``marker`` (a file path)
-    records that it happened, so the restarted run goes on. For failure tests."""
+    records that it happened, so the restarted run goes on; ``steps_log`` (a path, optional)
+    gets one line per step done on that rank. For failure tests."""
 
     marker: str
     at_step: int
     rank: int = 0
+    steps_log: str | None = None
 
     def __call__(self, step: int, info: WorkerInfo, student) -> None:
         import os
+        if self.steps_log and info.rank == self.rank:
+            with open(self.steps_log, "a") as f:
+                f.write(f"{step}\n")
         if step == self.at_step and info.rank == self.rank and not os.path.exists(self.marker):
             with open(self.marker, "w") as f:
                 f.write(f"killed rank {info.rank} after step {step}\n")
