@@ -53,23 +53,37 @@ _EXACT = (torch.float32, torch.float64)
 def _mix(probs: torch.Tensor, cand: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """``sum_k probs[k] * cand[k]``: probs (K,), cand (K, R, C) -> (R, C) in ``out_dtype``.
 
-    float32/64 candidates: one tensordot. Other dtypes (bf16/f16): accumulated in float32 one
-    candidate at a time (one (R, C) float32 temporary)."""
+    One GEMV over the flattened candidates, ``probs (1, K) @ cand (K, R*C)``, so each candidate
+    is read once; for bf16/f16 candidates the GEMV accumulates in float32 (cuBLAS / CPU BLAS)
+    and the probabilities are rounded to the candidates' dtype (a one-hot gate stays exact)."""
+    k, r, c = cand.shape
     if cand.dtype in _EXACT:
-        return torch.tensordot(probs.to(cand.dtype), cand, dims=1).to(out_dtype)
-    p = probs.float()
-    w = cand[0].float() * p[0]
-    for k in range(1, cand.shape[0]):
-        w.add_(cand[k].float() * p[k])
-    return w.to(out_dtype)
+        w = probs.to(cand.dtype).unsqueeze(0) @ cand.reshape(k, r * c)
+    elif cand.is_cuda:
+        w = probs.to(cand.dtype).unsqueeze(0) @ cand.reshape(k, r * c)
+    else:  # bf16 on the CPU: float32 accumulation, one candidate at a time
+        p = probs.float()
+        w = cand[0].float() * p[0]
+        for i in range(1, k):
+            w.add_(cand[i].float(), alpha=float(p[i]))
+    return w.reshape(r, c).to(out_dtype)
 
 
 def _dots(cand: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    """``<cand[k], g>`` for each k: cand (K, R, C), g (R, C) float32 -> (K,) float32."""
-    if cand.dtype in _EXACT:
-        return (cand.flatten(1) @ g.flatten().to(cand.dtype)).float()
-    gf = g.flatten()
-    return torch.stack([torch.dot(cand[k].flatten().float(), gf) for k in range(cand.shape[0])])
+    """``<cand[k], g>`` for each k: cand (K, R, C), g (R, C) -> (K,) float32; one GEMV, each
+    candidate read once (bf16/f16 on CUDA: ``g`` rounded to that dtype, float32 accumulation)."""
+    k = cand.shape[0]
+    if cand.dtype in _EXACT or cand.is_cuda:
+        return (cand.reshape(k, -1) @ g.reshape(-1).to(cand.dtype)).float()
+    gf = g.reshape(-1).float()
+    return torch.stack([torch.dot(cand[i].reshape(-1).float(), gf) for i in range(k)])
+
+
+#: Keep the mixed weight W from the forward pass for the backward pass instead of recomputing
+#: it (one (out, in) copy per layer alive until its backward; saves one read of the K
+#: candidates). On by default on CUDA, where reading the candidates is the cost; off on the
+#: CPU, where memory is the tighter limit.
+SAVE_MIXED_WEIGHT = {"cuda": True, "cpu": False}
 
 
 class _MixLinearFn(torch.autograd.Function):
@@ -83,20 +97,26 @@ class _MixLinearFn(torch.autograd.Function):
     def forward(ctx, x, probs, cand, bias):
         w = _mix(probs, cand, x.dtype)  # (out, in)
         y = F.linear(x, w, None if bias is None else bias.to(x.dtype))
-        ctx.save_for_backward(x, probs, cand)
+        ctx.keep_w = SAVE_MIXED_WEIGHT.get(cand.device.type, False)
+        ctx.save_for_backward(x, probs, cand, w if ctx.keep_w else None)
         ctx.has_bias = bias is not None
         return y
 
     @staticmethod
     def backward(ctx, g):
-        x, probs, cand = ctx.saved_tensors
+        x, probs, cand, w = ctx.saved_tensors
         gx = gp = gb = None
         if ctx.needs_input_grad[0]:
-            gx = g @ _mix(probs, cand, g.dtype)  # (..., in)
+            if w is None:
+                w = _mix(probs, cand, g.dtype)
+            gx = g @ w.to(g.dtype)  # (..., in)
         g2 = g.reshape(-1, g.shape[-1])  # (N, out)
         if ctx.needs_input_grad[1]:
             x2 = x.reshape(-1, x.shape[-1])  # (N, in)
-            gtx = g2.float().T @ x2.float()  # (out, in) = sum over tokens of g^T x
+            if x2.dtype in _EXACT:
+                gtx = g2.float().T @ x2.float()  # (out, in) = sum over tokens of g^T x
+            else:  # the weight-gradient GEMM of plain training, fp32 accumulation
+                gtx = g2.T @ x2
             gp = _dots(cand, gtx).to(probs.dtype)  # (K,)
         if ctx.has_bias and ctx.needs_input_grad[3]:
             gb = g2.sum(0)
