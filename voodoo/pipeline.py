@@ -164,6 +164,15 @@ def selectable_budget(specs, compression_ratio=None, target_bits=None, budget_re
                             target_bits=target_bits, budget_reduction=budget_reduction))
 
 
+def file_overhead_bytes(ctx: Context) -> int:
+    """Bytes an exported GGUF holds besides the selectable tensors' data: the base F32 GGUF's
+    size less its selectable tensors' F32 bytes (header, metadata, tokenizer, norms and other
+    tensors kept as they are). Alignment padding of quantized tensors (< 32 bytes each) and
+    the few KV pairs export adds are not counted (a few KB)."""
+    sel = sum(4 * s.n_rows * s.n_per_row for s in ctx.specs)
+    return os.path.getsize(ctx.prepared.base_gguf) - sel
+
+
 # ------------------------------------------------------------------------------- data
 def ensure_dataset(ctx: Context, data_dir, source="enwiki", seq_len=512, n_train=64,
                    n_eval=8, seed=0):
