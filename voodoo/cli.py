@@ -12,6 +12,10 @@ from pathlib import Path
 STANDARD_SIZES = tuple(range(25, 81, 5))
 
 
+class UsageError(ValueError):
+    """Bad input found by the CLI itself (reported as one line, exit code 2)."""
+
+
 # ------------------------------------------------------------------------------ flags
 def _model_flags(ap):
     ap.add_argument("--model", default=None,
@@ -55,6 +59,10 @@ def _budget_flags(ap):
     ap.add_argument("--target_bits", type=float, default=None,
                     help="budget in bits per weight over the selectable tensors")
     ap.add_argument("--budget_reduction", type=float, default=0.0)
+    ap.add_argument("--match_size", default=None,
+                    help="aim the GGUF file at the size of a stock llama.cpp file type (e.g. "
+                         "Q4_K_M: quantized by llama-quantize from the same base and imatrix) "
+                         "or at a number of bytes; the bake lands within 0.5%% of it")
     ap.add_argument("--size_tolerance", type=float, default=0.005)
     ap.add_argument("--size_weight", type=float, default=100.0)
     ap.add_argument("--tensor_upgrades", default=None,
@@ -79,6 +87,8 @@ def _train_flags(ap):
     ap.add_argument("--gradient_checkpointing", action="store_true")
     ap.add_argument("--partial_save_interval", type=int, default=10)
     ap.add_argument("--no_compile", action="store_true")
+    ap.add_argument("--stop_after", type=int, default=None,
+                    help="stop (journal saved) once this many steps are done; rerun to resume")
 
 
 def _eval_flags(ap):
@@ -109,9 +119,35 @@ def _out_dir(a, ctx=None) -> Path:
         probe.write_text("")
         probe.unlink()
     except OSError as e:
-        raise SystemExit(f"voodoo: cannot write to the output folder {d}: {e.strerror or e}; "
-                         "pass a writable --output_dir")
+        raise UsageError(f"cannot write to the output folder {d}: {e.strerror or e}; "
+                         "pass a writable --output_dir") from None
     return d
+
+
+def _check_model_early(model_arg: str) -> None:
+    """Cheap checks of an HF folder before anything is converted or loaded: it is a causal LM
+    (``config.json``) and an adapter can map its architecture. Raises ValueError subclasses
+    naming the problem (ModelPreparationError / UnsupportedArchitecture)."""
+    p = Path(os.path.expanduser(str(model_arg)))
+    if not (p.is_dir() and (p / "config.json").is_file()):
+        return  # prepare_model reports missing paths, .gguf files and hub ids itself
+    from types import SimpleNamespace
+
+    from .arch import get_adapter
+    from .models import _check_causal_lm
+    cfg = _check_causal_lm(p)
+    get_adapter(SimpleNamespace(architectures=cfg.get("architectures"),
+                                model_type=cfg.get("model_type")))
+
+
+def _check_upgrade_patterns(rules, names) -> None:
+    """Every --tensor_upgrades pattern must match some selectable tensor (checked as soon as
+    the tensors are known, before any expensive stage)."""
+    names = sorted(names)
+    for rx, _ in rules:
+        if not any(rx.search(n) for n in names):
+            raise UsageError(f"--tensor_upgrades pattern {rx.pattern!r} matches no tensor; "
+                             f"GGUF names look like {names[0]!r} ... {names[-1]!r}")
 
 
 def _precache_fn(a):
@@ -136,7 +172,8 @@ def _default_eval_text() -> Path | None:
 
 
 def _ratio(a) -> float | None:
-    if a.compression_ratio is None and a.target_bits is None:
+    if a.compression_ratio is None and a.target_bits is None and not \
+            getattr(a, "match_size", None):
         return 0.55
     return a.compression_ratio
 
@@ -164,10 +201,32 @@ class Run:
 
     def context(self):
         from .pipeline import load_context
+        if self.a.output_dir:
+            _out_dir(self.a)  # an unwritable folder fails now, before any work
+        model = _model_arg(self.a)
+        _check_model_early(model)
         with self.timer("load model"):
-            self.ctx = load_context(_model_arg(self.a))
+            self.ctx = load_context(model)
         self.out = _out_dir(self.a, self.ctx)
         return self.ctx
+
+    def menus_and_budget(self):
+        """Menus, size table and budget; the budget is checked against the menus' reachable
+        range here, before the data, imatrix and candidate stages."""
+        from .budget import check_reachable
+        from .pipeline import bytes_table, make_menus, selectable_budget
+        a = self.a
+        self.menus = make_menus(self.ctx.specs, a.candidate_types, a.attention_candidates,
+                                a.non_attention_candidates)
+        self.table = bytes_table(self.ctx.specs, self.menus)
+        match = self.match_size_budget()
+        if match == -1:  # --match_size TYPE: known once the imatrix exists
+            self.budget = None
+            return None
+        self.budget = selectable_budget(self.ctx.specs, _ratio(a), a.target_bits,
+                                        a.budget_reduction, match)
+        check_reachable(self.budget, self.table, self.ctx.shapes)
+        return self.budget
 
     def data(self):
         from .pipeline import ensure_dataset
@@ -190,8 +249,9 @@ class Run:
     def candidates(self):
         from .pipeline import ensure_candidates, make_menus
         a = self.a
-        self.menus = make_menus(self.ctx.specs, a.candidate_types, a.attention_candidates,
-                                a.non_attention_candidates)
+        if getattr(self, "menus", None) is None:
+            self.menus = make_menus(self.ctx.specs, a.candidate_types, a.attention_candidates,
+                                    a.non_attention_candidates)
         self.cache = _cache(a)
         with self.timer("candidates (libggml)"):
             self.keys = ensure_candidates(self.ctx, self.menus, self.im, self.cache,
@@ -199,16 +259,16 @@ class Run:
         return self.keys
 
     def train(self):
-        from .pipeline import (bake_assignment, build_student, build_teacher, bytes_table,
-                               selectable_budget, write_json)
+        from .pipeline import bake_assignment, build_student, build_teacher, write_json
         from .train import TrainConfig
         a = self.a
-        table = bytes_table(self.ctx.specs, self.menus)
-        from .budget import check_reachable
-        budget = selectable_budget(self.ctx.specs, _ratio(a), a.target_bits, a.budget_reduction,
-                                   getattr(a, "budget_bytes", None))
-        check_reachable(budget, table, self.ctx.shapes)
-        cfg = TrainConfig(compression_ratio=_ratio(a) if a.target_bits is None else None,
+        self.menus_and_budget()
+        table, budget = self.table, self.budget
+        ratio = _ratio(a) if a.target_bits is None else None
+        if ratio is None and a.target_bits is None:  # --match_size: the ratio it amounts to
+            from .budget import q8_0_bytes
+            ratio = budget / q8_0_bytes(self.ctx.shapes)
+        cfg = TrainConfig(compression_ratio=ratio,
                           target_bits=a.target_bits, budget_reduction=a.budget_reduction,
                           size_weight=a.size_weight, size_tolerance=a.size_tolerance,
                           kl_weight=a.kl_weight, lr=a.lr, max_steps=a.max_steps,
@@ -229,7 +289,12 @@ class Run:
         with self.timer("gate training"):
             from .pipeline import train
             res = train(self.ctx, self.teacher, self.train_blocks, cfg, self.out / "train",
-                        budget=budget)
+                        budget=budget, stop_after=getattr(a, "stop_after", None))
+        if not res.finished:
+            print(f"stopped after {res.step} of {cfg.max_steps} steps; the journal is "
+                  f"{self.out / 'train' / 'partial.pt'}; rerun the same command to continue")
+            self.assignment = None
+            return None
         with self.timer("bake"):
             self.assignment = bake_assignment(res.gates, self.menus, table, budget,
                                               a.tensor_upgrades, tolerance=0.005)
@@ -242,6 +307,40 @@ class Run:
         print(f"baked: {tot} bytes for a budget of {b} ({100 * (tot / b - 1):+.2f}%) -> "
               f"{self.out / (self.stem + '.assignment.json')}")
         return self.assignment
+
+    def match_size_budget(self) -> int | None:
+        """``--match_size``: the selectable-tensor budget (bytes) that makes the exported file
+        as large as the target file: target bytes less the bytes Voodoo's export adds around
+        the selectable tensors (metadata, norms; :func:`voodoo.pipeline.file_overhead_bytes`)."""
+        a = self.a
+        if not getattr(a, "match_size", None):
+            return None
+        if getattr(self, "_match_budget", None):
+            return self._match_budget
+        from .pipeline import file_overhead_bytes
+        t = str(a.match_size).strip()
+        if not t.replace("_", "").isdigit() and not hasattr(self, "imatrix_path"):
+            return -1  # a stock type needs the imatrix first; checked again in train()
+        if t.replace("_", "").isdigit():
+            target = int(t.replace("_", ""))
+        else:
+            from .quants import FTYPE_NOMINAL_BPW
+            if t.upper() not in FTYPE_NOMINAL_BPW:
+                raise ValueError(f"--match_size {t!r}: give a number of bytes or a llama.cpp "
+                                 f"file type ({', '.join(sorted(FTYPE_NOMINAL_BPW))})")
+            from .runner import stock_file
+            with self.timer("stock llama-quantize"):
+                f = stock_file(self.ctx.prepared.base_gguf, t.upper(), self.imatrix_path,
+                               self.out / "stock")
+            target = f.stat().st_size
+        self.target_file_bytes = target
+        budget = target - file_overhead_bytes(self.ctx)
+        if budget <= 0:
+            raise ValueError(f"--match_size {t}: {target} bytes is smaller than the model's "
+                             "non-selectable tensors and metadata")
+        print(f"--match_size {t}: file {target} bytes -> selectable budget {budget} bytes")
+        self._match_budget = budget
+        return budget
 
     def export(self):
         from .pipeline import export
@@ -336,17 +435,31 @@ def _train(argv, run_all=False):
         ap.add_argument("--stock_types", default="IQ2_XXS,IQ2_M,IQ4_XS",
                         help="llama.cpp file types to compare with")
     a = ap.parse_args(argv)
+    from .bake import parse_tensor_upgrades
+    rules = parse_tensor_upgrades(a.tensor_upgrades)  # malformed JSON / regex: fail now
     r = Run(a)
     r.context()
+    _check_upgrade_patterns(rules, [s.gguf_name for s in r.ctx.specs])
+    r.menus_and_budget()  # an unreachable budget fails before data, imatrix and candidates
+    _check_journal_early(r.out / "train")
     r.data()
     r.imatrix()
     r.candidates()
-    r.train()
+    if r.train() is None:
+        return 0
     if run_all:
         r.export()
         from .runner import compare_with_stock
         compare_with_stock(r)
     return 0
+
+
+def _check_journal_early(train_dir: Path) -> None:
+    """A training journal that cannot be read fails now, before the expensive stages (the file
+    is kept; :class:`voodoo.train.CorruptJournalError` says what to do)."""
+    from .train import JOURNAL_NAME, _load_journal
+    if (train_dir / JOURNAL_NAME).exists():
+        _load_journal(train_dir / JOURNAL_NAME)
 
 
 def _export(argv):
@@ -390,8 +503,8 @@ def _eval(argv):
     prepared = prepare_model(_model_arg(a))
     text = Path(a.eval_text) if a.eval_text else _default_eval_text()
     if text is None:
-        raise SystemExit("voodoo eval: no --eval_text and ../shared/data/wikitext-2-raw-test.txt "
-                         "is not there")
+        raise UsageError("no --eval_text and ../shared/data/wikitext-2-raw-test.txt is not "
+                         "there; pass --eval_text FILE")
     rows = []
     for g in a.gguf:
         res = run_perplexity(g, text, ctx=a.ctx, chunks=a.chunks, kl_base=prepared.reference_gguf)

@@ -1,0 +1,232 @@
+"""The tiny model through every stage of ``voodoo run`` (data -> imatrix -> candidates -> train
+-> bake -> export -> eval), run once per module through the CLI's ``main()``, then checked:
+
+1. the exported GGUF's tensors are byte-identical to llama-quantize with the written
+   ``<stem>.tensor-types.txt`` and the same imatrix on the base F32 GGUF;
+2. the size the budget predicted is the size written, and within 0.5% of the budget;
+3. an interrupted-and-resumed ``voodoo train`` bakes the same assignment as an uninterrupted
+   run;
+5. ``voodoo eval --gguf X --report R`` prints PPL / KLD / same-top-p and writes the JSON;
+plus the candidates built by Ray actors equal the in-process ones.
+
+(Check 4, torch PPL of the baked student vs llama-perplexity on the GGUF, needs the real model:
+it is in ``test_e2e_smollm2.py``, which shares that model's run.)
+
+The tiny model is made with a fixed seed at a fixed place under the Voodoo cache, so the base
+F32 GGUF and the content-addressed candidate cache are reused across sessions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType, GGUFReader
+
+from voodoo import cli
+from voodoo.llamacpp import LlamaCppNotBuilt, cache_root, source_dir, tool_path
+
+#: Settings of the module's run (small: seq_len 64, 8 train blocks, 6 steps, in-process
+#: candidates). The data/imatrix settings match the README smoke run so the cache hits.
+COMMON = ["--seq_len", "64", "--n_train_blocks", "8", "--n_eval_blocks", "2",
+          "--imatrix_blocks", "4", "--compression_ratio", "0.5", "--no_ray", "--seed", "0"]
+TRAIN = ["--max_steps", "6", "--partial_save_interval", "2"]
+EVAL = ["--ctx", "128", "--chunks", "2"]
+
+
+def run_cli(argv: list[str]) -> tuple[int, str, str]:
+    """``voodoo.cli.main(argv)`` in this process: (exit code, stdout, stderr)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            rc = cli.main(argv)
+        except SystemExit as e:  # argparse
+            rc = e.code if isinstance(e.code, int) else 2
+    return rc, out.getvalue(), err.getvalue()
+
+
+@pytest.fixture(scope="session")
+def tiny_fixed() -> Path:
+    """The tiny random llama (``make_tiny_model``, seed 0) at a fixed path in the Voodoo cache:
+    the same folder (same mtimes) every session, so ``prepare_model`` reuses its base F32 GGUF
+    and the candidate cache hits."""
+    try:
+        source_dir()
+    except LlamaCppNotBuilt as e:
+        pytest.skip(str(e))
+    from voodoo.models import make_tiny_model
+    from conftest import SMOL_GGUF
+    return make_tiny_model(cache_root() / "test-models" / "tiny-llama-s0", seed=0,
+                           tokenizer_gguf=SMOL_GGUF if SMOL_GGUF.is_file() else None)
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tiny_fixed, tmp_path_factory):
+    """``voodoo run`` on the tiny model, once: returns a dict of the run's files and output."""
+    try:
+        tool_path("llama-perplexity")
+    except LlamaCppNotBuilt as e:
+        pytest.skip(str(e))
+    out = tmp_path_factory.mktemp("tiny-run")
+    t0 = time.perf_counter()
+    rc, stdout, stderr = run_cli(["run", "--model", str(tiny_fixed), "--output_dir", str(out),
+                                  *COMMON, *TRAIN, *EVAL, "--stock_types", ""])
+    wall = time.perf_counter() - t0
+    assert rc == 0, stderr[-3000:]
+    print(f"\n[tiny voodoo run: {wall:.1f} s]")
+    (asg,) = out.glob("*.assignment.json")
+    stem = asg.name.removesuffix(".assignment.json")
+    from voodoo.models import prepare_model
+    return {"out": out, "stem": stem, "assignment": asg, "gguf": out / f"{stem}.gguf",
+            "types": out / f"{stem}.tensor-types.txt", "imatrix": out / "imatrix.gguf",
+            "base": prepare_model(tiny_fixed).base_gguf, "stdout": stdout, "stderr": stderr,
+            "model": tiny_fixed}
+
+
+def test_run_writes_every_stage(tiny_run):
+    out = tiny_run["out"]
+    for p in (out / "data" / "train.pt", out / "data" / "eval.pt", tiny_run["imatrix"],
+              out / "train" / "partial.pt", tiny_run["assignment"], tiny_run["gguf"],
+              tiny_run["types"], out / "eval" / "report.json", out / "eval" / "report.md",
+              out / "eval" / "timing.json"):
+        assert p.is_file(), p
+    assert not list(out.glob(".*partial*")), "temporary files left behind"
+    rows = json.loads((out / "eval" / "report.json").read_text())
+    assert [r["file"] for r in rows] == ["Voodoo"]
+    assert rows[0]["ppl"] > 0 and rows[0]["kld"] >= 0 and 0 <= rows[0]["same_top_p"] <= 1
+    assert "baked:" in tiny_run["stdout"] and "| Voodoo |" in tiny_run["stdout"]
+
+
+@pytest.mark.slow
+def test_export_matches_llama_quantize(tiny_run, tmp_path):
+    """1. llama-quantize --imatrix <run imatrix> --tensor-type-file <stem>.tensor-types.txt on the
+    base F32 GGUF writes the very tensors of the exported GGUF."""
+    from voodoo.export import quantize_with_llama
+    ref = quantize_with_llama(tiny_run["base"], tmp_path / "llama-quantize.gguf",
+                              tensor_type_file=tiny_run["types"],
+                              imatrix_file=tiny_run["imatrix"], default_type="Q8_0")
+    ours = {t.name: t for t in GGUFReader(tiny_run["gguf"]).tensors}
+    theirs = {t.name: t for t in GGUFReader(ref).tensors}
+    assert sorted(ours) == sorted(theirs)  # llama-quantize writes them in its own order
+    asg = json.loads(tiny_run["assignment"].read_text())["tensors"]
+    for name, t in ours.items():
+        u = theirs[name]
+        assert t.tensor_type == u.tensor_type, name
+        assert [int(x) for x in t.shape] == [int(x) for x in u.shape], name
+        if name in asg:
+            assert GGMLQuantizationType(t.tensor_type).name == asg[name]["type"], name
+        assert np.asarray(t.data).tobytes() == np.asarray(u.data).tobytes(), \
+            f"{name}: bytes differ from llama-quantize"
+
+
+def test_sizes_predicted_equal_written(tiny_run):
+    """2. assignment bytes == voodoo.quants.tensor_nbytes == the GGUF's tensor bytes; the total
+    is within 0.5% of the budget (never above budget * 1.005)."""
+    from voodoo.budget import budget_bytes
+    from voodoo.quants import tensor_nbytes
+    asg = json.loads(tiny_run["assignment"].read_text())
+    tensors = {t.name: t for t in GGUFReader(tiny_run["gguf"]).tensors}
+    shapes = {}
+    written = 0
+    for name, v in asg["tensors"].items():
+        t = tensors[name]
+        n_per_row, n_rows = int(t.shape[0]), int(t.shape[1])
+        shapes[name] = (n_rows, n_per_row)
+        predicted = tensor_nbytes(v["type"], n_rows, n_per_row)
+        assert v["bytes"] == predicted == int(t.n_bytes), name
+        written += int(t.n_bytes)
+    assert asg["total_bytes"] == sum(v["bytes"] for v in asg["tensors"].values()) == written
+    budget = asg["budget_bytes"]
+    assert budget == budget_bytes(shapes, compression_ratio=0.5)
+    print(f"\n[tiny sizes: budget {budget}, predicted {asg['total_bytes']}, written {written}, "
+          f"{100 * (written / budget - 1):+.3f}% of the budget]")
+    assert written <= budget * 1.005
+    assert abs(written / budget - 1) <= 0.005
+    # every tensor not in the assignment is copied from the base unchanged
+    base = {t.name: t for t in GGUFReader(tiny_run["base"]).tensors}
+    for name, t in tensors.items():
+        if name not in asg["tensors"]:
+            assert t.tensor_type == base[name].tensor_type
+            assert np.asarray(t.data).tobytes() == np.asarray(base[name].data).tobytes()
+
+
+def test_interrupted_train_resumes_to_the_same_assignment(tiny_run, tmp_path):
+    """3. ``voodoo train --stop_after 3`` then the same command again (resuming from the
+    journal, with another save interval) bakes exactly the assignment of the uninterrupted
+    ``voodoo run``."""
+    out = tmp_path / "resumed"
+    argv = ["train", "--model", str(tiny_run["model"]), "--output_dir", str(out), *COMMON,
+            *TRAIN, "--data_dir", str(tiny_run["out"] / "data"),
+            "--imatrix", str(tiny_run["imatrix"])]
+    rc, stdout, stderr = run_cli(argv + ["--stop_after", "3"])
+    assert rc == 0, stderr[-3000:]
+    assert "stopped after 3 of 6 steps" in stdout
+    assert not list(out.glob("*.assignment.json"))
+    import torch
+    j = torch.load(out / "train" / "partial.pt", weights_only=True)
+    assert j["step"] == 3
+    rc, stdout, stderr = run_cli(argv[:-4] + ["--partial_save_interval", "5"] + argv[-4:])
+    assert rc == 0, stderr[-3000:]
+    (asg,) = out.glob("*.assignment.json")
+    resumed = json.loads(asg.read_text())
+    straight = json.loads(tiny_run["assignment"].read_text())
+    assert {n: v["type"] for n, v in resumed["tensors"].items()} == \
+        {n: v["type"] for n, v in straight["tensors"].items()}
+    assert resumed == straight  # probs too: the same gates
+    assert torch.load(out / "train" / "partial.pt", weights_only=True)["step"] == 6
+
+
+@pytest.mark.slow
+def test_eval_prints_table_and_writes_report(tiny_run, tmp_path):
+    """5. ``voodoo eval --gguf X --report R``: a table with PPL, KLD and same-top-p, R.json."""
+    rep = tmp_path / "rep" / "report"
+    rc, stdout, stderr = run_cli(["eval", "--model", str(tiny_run["model"]), "--gguf",
+                                  str(tiny_run["gguf"]), "--report", str(rep), *EVAL])
+    assert rc == 0, stderr[-3000:]
+    header = next(ln for ln in stdout.splitlines() if ln.startswith("| file"))
+    for col in ("ppl", "kld", "same_top_p"):
+        assert col in header.split(" | ") or f"| {col} |" in header, header
+    row = next(ln for ln in stdout.splitlines() if tiny_run["gguf"].name in ln)
+    assert len(row.split("|")) == len(header.split("|"))
+    rows = json.loads(rep.with_name("report.json").read_text())
+    assert rows[0]["file"] == tiny_run["gguf"].name
+    assert rows[0]["ppl"] > 0 and rows[0]["kld"] >= 0 and 0 <= rows[0]["same_top_p"] <= 1
+    assert rep.with_name("report.md").is_file()
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_precache_through_ray_equals_local(tiny_run, tmp_path):
+    """The candidates of one layer built by Ray actors (cluster.precache.precache_ray, a fresh
+    cache) are byte-identical to those the in-process run cached."""
+    ray = pytest.importorskip("ray")
+    from cluster.precache import precache_ray
+    from voodoo.candidates import CandidateCache
+    from voodoo.imatrix import read_imatrix
+    from voodoo.pipeline import candidate_jobs, load_context, make_menus
+    ctx = load_context(tiny_run["model"], with_tokenizer=False)
+    menus = make_menus(ctx.specs)
+    jobs = [j for j in candidate_jobs(ctx, menus, read_imatrix(tiny_run["imatrix"]))
+            if j.gguf_name.startswith("blk.0.attn_") and j.type_name in ("Q4_K", "IQ4_XS",
+                                                                          "IQ2_S")]
+    assert len(jobs) == 12
+    fresh = CandidateCache(tmp_path / "ray-cache")
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=2, include_dashboard=False, address="local")
+    try:
+        res = precache_ray(jobs, fresh, max_workers=2, progress=False)
+    finally:
+        if started:
+            ray.shutdown()
+    assert res.misses == 12 and res.hits == 0
+    main = CandidateCache()
+    for (name, t), key in res.items():
+        mine = main.get(key)
+        assert mine is not None, (name, t)
+        assert fresh.get(key).tobytes() == mine.tobytes(), (name, t)
