@@ -45,7 +45,7 @@ def test_refuses_without_tp_info_or_bad_split():
 def ray_up():
     owned = not ray.is_initialized()
     if owned:
-        ray.init(num_cpus=2, include_dashboard=False)
+        ray.init(num_cpus=2, include_dashboard=False, address="local")
     yield
     if owned and ray.is_initialized():
         ray.shutdown()
@@ -64,6 +64,7 @@ def _assignment(gates, budget):
     return {n: t["type"] for n, t in bake_student(job.student, gates, budget)["tensors"].items()}
 
 
+@pytest.mark.ray
 @pytest.mark.parametrize("tp", [2, 4])
 def test_tensor_parallel_matches_one_worker(tp, tmp_path, one_worker, ray_up):
     ref, ref_logits = one_worker

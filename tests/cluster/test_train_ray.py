@@ -74,7 +74,7 @@ def test_device_map_cpu_cpu(tmp_path, reference):
 def ray_up():
     owned = not ray.is_initialized()
     if owned:
-        ray.init(num_cpus=2, include_dashboard=False)
+        ray.init(num_cpus=2, include_dashboard=False, address="local")
     yield
     if owned and ray.is_initialized():
         ray.shutdown()

@@ -24,7 +24,7 @@ CFG = TrainConfig(compression_ratio=0.7, max_steps=6, seq_len=16, batch_size=2, 
 def ray_up():
     owned = not ray.is_initialized()
     if owned:
-        ray.init(num_cpus=2, include_dashboard=False)
+        ray.init(num_cpus=2, include_dashboard=False, address="local")
     yield
     if owned and ray.is_initialized():
         ray.shutdown()

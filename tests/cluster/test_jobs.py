@@ -1,0 +1,92 @@
+"""cluster.jobs / cluster.train_entry: a short training submitted with `ray job submit` to a
+local head node completes. The head runs in its own process group, which the test ends (not
+`ray stop --force`, which would stop every Ray on a shared machine)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("ray")
+
+from cluster.jobs import submit_argv  # noqa: E402
+
+pytestmark = pytest.mark.ray
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_submit_argv():
+    argv = submit_argv("http://h:8265", ["--toy"], working_dir="wd",
+                       runtime_env={"env_vars": {"A": "1"}})
+    assert argv[1:8] == ["job", "submit", "--address", "http://h:8265", "--working-dir", "wd",
+                         "--runtime-env-json"]
+    assert argv[-4:] == ["python", "-m", "cluster.train_entry", "--toy"]
+    with pytest.raises(ValueError):
+        submit_argv("h:8265", [])
+
+
+def test_ray_job_submit_local_head(tmp_path):
+    ray_exe = str(Path(sys.executable).with_name("ray"))
+    port, dash = _free_port(), _free_port()
+    # Its own temp dir, so its address file does not redirect other sessions' ray.init().
+    temp_dir = tempfile.mkdtemp(prefix="vray", dir="/tmp")
+    head = subprocess.Popen(
+        [ray_exe, "start", "--head", "--block", "--num-cpus", "2", "--disable-usage-stats",
+         "--include-dashboard=true", "--dashboard-host", "127.0.0.1", "--dashboard-port",
+         str(dash), "--port", str(port), "--temp-dir", temp_dir],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.time() + 60
+        while True:  # wait for the job server
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{dash}/api/version", timeout=2)
+                break
+            except urllib.error.HTTPError:  # e.g. 401: token authentication is on; it is up
+                break
+            except OSError:
+                if time.time() > deadline or head.poll() is not None:
+                    pytest.fail("the Ray head did not come up")
+                time.sleep(1)
+        wd = tmp_path / "job"
+        wd.mkdir()
+        (wd / "entry.py").write_text(
+            "import sys\nfrom cluster.train_entry import main\nsys.exit(main(sys.argv[1:]))\n")
+        argv = submit_argv(f"http://127.0.0.1:{dash}", [
+            "--toy", "--max_steps", "3", "--num_workers", "1", "--cpus_per_worker", "0.5",
+            "--run_name", "job-test", "--storage_path", str(tmp_path / "runs")],
+            working_dir=wd)
+        argv[argv.index("-m"):argv.index("cluster.train_entry") + 1] = ["entry.py"]
+        # The head runs with token authentication (Ray's default for local clusters); the
+        # client sends the token (~/.ray/auth_token) when told the mode.
+        env = dict(os.environ, RAY_AUTH_MODE="token")
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=150, env=env)
+        text = out.stdout + out.stderr
+        assert out.returncode == 0, text[-3000:]
+        assert "VOODOO_TRAIN_RESULT" in text and '"finished": true' in text, text[-3000:]
+        assert (tmp_path / "runs" / "job-test").is_dir()
+    finally:
+        try:
+            os.killpg(head.pid, signal.SIGTERM)
+            head.wait(timeout=20)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            try:
+                os.killpg(head.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        shutil.rmtree(temp_dir, ignore_errors=True)
