@@ -1,0 +1,239 @@
+"""Gate-training step cost on GPUs, measured against a plain bf16 training step in one run.
+
+A real architecture at a real size with random weights (default: a Llama-3.2-3B-shaped
+LlamaForCausalLM, tied embeddings) and K synthetic bf16 candidates per selectable tensor
+(``W + noise``: speed and memory do not depend on the values). Prints, for ``--tokens`` tokens
+a step:
+
+* plain: bf16 forward + backward with weight gradients (the baseline), ms;
+* gated: the student's forward + backward with gate-logit gradients only, ms, and its ratio
+  to plain (the goal is <= 1.1x; reading the K candidates twice costs about 1.07x on an H200);
+* step: a whole gate-training step (teacher forward, CE + KL + size penalty, Adam), ms;
+* with ``--ray``: the same training under Ray Train's ``TorchTrainer`` (one GPU worker;
+  ``--tp 2``: tensor parallel over NCCL; ``--device_map cuda:0,cuda:1``: layer-wise in one
+  worker), steps/s, tokens/s and peak memory per GPU, and its first-step loss next to the
+  single-GPU one (agreement).
+
+    python benchmarks/gpu_gate_step.py --layers 28 --tokens 8192 --k 6 [--ray] [--tp 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class BigLlamaFactory:
+    """``factory(info) -> StudentJob``: a random Llama of the given shape with K synthetic
+    bf16 candidates per selectable tensor, built on the worker's device."""
+
+    hidden: int = 3072
+    intermediate: int = 8192
+    layers: int = 28
+    heads: int = 24
+    kv_heads: int = 8
+    vocab: int = 128256
+    k: int = 6
+    tokens: int = 8192
+    n_blocks: int = 4
+    seed: int = 0
+
+    def config(self):
+        from transformers import LlamaConfig
+        return LlamaConfig(hidden_size=self.hidden, intermediate_size=self.intermediate,
+                           num_hidden_layers=self.layers, num_attention_heads=self.heads,
+                           num_key_value_heads=self.kv_heads, vocab_size=self.vocab,
+                           tie_word_embeddings=True, max_position_embeddings=self.tokens,
+                           architectures=["LlamaForCausalLM"], torch_dtype="bfloat16")
+
+    def base(self, device):
+        from transformers import LlamaForCausalLM
+        torch.manual_seed(self.seed)
+        with torch.device(device):
+            m = LlamaForCausalLM(self.config()).to(torch.bfloat16)
+        return m.eval()
+
+    def __call__(self, info):
+        from cluster.train import StudentJob
+        from voodoo.arch import get_adapter
+        from voodoo.gates import install_gates
+        from voodoo.quants import tensor_nbytes
+        dev = info.device if info is not None else "cuda"
+        model = self.base(dev)
+        teacher = copy.deepcopy(model)
+        adapter = get_adapter(model.config)
+        specs = adapter.selectable(model)
+        types = ["Q8_0", "Q6_K", "Q5_K", "Q4_K", "IQ4_XS", "IQ3_S", "IQ2_S", "IQ1_S"][: self.k]
+        g = torch.Generator(device=dev).manual_seed(self.seed + 1)
+        cands, nbytes = {}, {}
+        for s in specs:
+            w = model.get_submodule(s.module_name).weight.detach()
+            c = torch.empty((self.k, *w.shape), dtype=torch.bfloat16, device=dev)
+            for i in range(self.k):
+                c[i].copy_(w)
+                c[i].add_(torch.randn(w.shape, generator=g, device=dev, dtype=torch.bfloat16),
+                          alpha=0.002 * 2 ** i)
+            cands[s.gguf_name] = c
+            nbytes[s.gguf_name] = [tensor_nbytes(t, *s.shape) for t in types]
+        install_gates(model, specs, cands, nbytes, menus={s.gguf_name: types for s in specs})
+        blocks = torch.randint(0, self.vocab, (self.n_blocks, self.tokens),
+                               generator=torch.Generator().manual_seed(self.seed + 2))
+        return StudentJob(student=model, teacher=teacher, train_blocks=blocks, specs=specs,
+                          n_head=self.heads, n_head_kv=self.kv_heads)
+
+
+def _time(fn, n, warmup=2):
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(n):
+        a = torch.cuda.Event(enable_timing=True)
+        b = torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        ts.append(a.elapsed_time(b))
+    return statistics.median(ts)
+
+
+def single_gpu(f: BigLlamaFactory, n: int) -> dict:
+    from voodoo.budget import budget_bytes
+    from voodoo.gates import gate_parameters, model_expected_bytes
+    from voodoo.train import TrainConfig, train_step
+    ids = torch.randint(0, f.vocab, (1, f.tokens), device="cuda")
+    out = {"tokens": f.tokens, "k": f.k}
+
+    # plain bf16 forward + backward with weight gradients
+    plain = f.base("cuda").train()
+    for p in plain.parameters():
+        p.requires_grad_(True)
+
+    def plain_step():
+        logits = plain(ids).logits
+        loss = F.cross_entropy(logits[0, :-1].float(), ids[0, 1:])
+        loss.backward()
+    torch.cuda.reset_peak_memory_stats()
+    out["plain_ms"] = _time(plain_step, n)
+    out["plain_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    out["params"] = sum(p.numel() for p in plain.parameters())
+    del plain
+    torch.cuda.empty_cache()
+
+    job = f(None)
+    student, teacher = job.student.train(), job.teacher
+    params = gate_parameters(student)
+
+    def gated_step():
+        logits = student(ids).logits
+        loss = F.cross_entropy(logits[0, :-1].float(), ids[0, 1:])
+        loss.backward()
+    torch.cuda.reset_peak_memory_stats()
+    out["gated_ms"] = _time(gated_step, n)
+    out["gated_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    out["ratio_gated_over_plain"] = out["gated_ms"] / out["plain_ms"]
+
+    cfg = TrainConfig(compression_ratio=0.5, max_steps=1000, seq_len=f.tokens, batch_size=1,
+                      device="cuda", dtype="bfloat16", compile=False)
+    shapes = {s.gguf_name: tuple(s.shape) for s in job.specs}
+    budget = budget_bytes(shapes, 0.5)
+    opt = torch.optim.Adam(params, lr=cfg.lr)
+
+    @torch.no_grad()
+    def tfn(x):
+        return teacher(x).logits
+
+    def full_step():
+        train_step(student, tfn, ids, opt, params, cfg, budget, 1.0)
+    torch.cuda.reset_peak_memory_stats()
+    out["step_ms"] = _time(full_step, n)
+    out["step_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    out["ratio_step_over_plain"] = out["step_ms"] / out["plain_ms"]
+    out["step_tokens_per_s"] = f.tokens / out["step_ms"] * 1e3
+    out["expected_gib"] = float(model_expected_bytes(student)) / 2**30
+    return out
+
+
+def ray_run(f: BigLlamaFactory, steps: int, tp: int, device_map: str | None, name: str) -> dict:
+    import ray
+
+    from cluster.train import run_training
+    from voodoo.train import TrainConfig
+    if not ray.is_initialized():
+        ray.init(include_dashboard=False)
+    cfg = TrainConfig(compression_ratio=0.5, max_steps=steps, seq_len=f.tokens, batch_size=1,
+                      device="cuda", dtype="bfloat16", compile=False,
+                      partial_save_interval=steps)
+    times = []
+
+    t0 = time.perf_counter()
+    n_gpu = torch.cuda.device_count()
+    kw = dict(num_workers=tp, use_gpu=True, tensor_parallel=tp)
+    if device_map:
+        kw = dict(num_workers=1, use_gpu=True, device_map=device_map,
+                  resources_per_worker={"GPU": len(device_map.split(",")), "CPU": 2})
+    res = run_training(f, cfg, run_name=name, storage_path="/tmp/voodoo-ray", **kw)
+    wall = time.perf_counter() - t0
+    hist = res.history
+    step_s = [h.get("step_seconds") for h in hist if h.get("step_seconds")]
+    out = {"mode": name, "gpus_seen": n_gpu, "steps": res.step, "wall_s": wall,
+           "first_loss": hist[0]["loss"] if hist else None,
+           "last_loss": hist[-1]["loss"] if hist else None,
+           "metrics": {k: v for k, v in res.metrics.items() if isinstance(v, (int, float))}}
+    if step_s:
+        med = statistics.median(step_s[1:] or step_s)
+        out.update(step_s_median=med, steps_per_s=1 / med, tokens_per_s=f.tokens / med)
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--hidden", type=int, default=3072)
+    ap.add_argument("--intermediate", type=int, default=8192)
+    ap.add_argument("--layers", type=int, default=28)
+    ap.add_argument("--heads", type=int, default=24)
+    ap.add_argument("--kv_heads", type=int, default=8)
+    ap.add_argument("--vocab", type=int, default=128256)
+    ap.add_argument("--k", type=int, default=6)
+    ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--n", type=int, default=5, help="timed repetitions")
+    ap.add_argument("--single", action="store_true", help="plain vs gated vs step on cuda:0")
+    ap.add_argument("--ray", action="store_true", help="TorchTrainer, one GPU worker")
+    ap.add_argument("--tp", type=int, default=0, help="TorchTrainer tensor parallel N")
+    ap.add_argument("--device_map", default=None, help="TorchTrainer layer-wise, one worker")
+    ap.add_argument("--ray_steps", type=int, default=6)
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    f = BigLlamaFactory(a.hidden, a.intermediate, a.layers, a.heads, a.kv_heads, a.vocab, a.k,
+                        a.tokens)
+    results = {"device": torch.cuda.get_device_name(0), "shape": vars(a)}
+    if a.single:
+        results["single"] = single_gpu(f, a.n)
+        print(json.dumps(results["single"], indent=1), flush=True)
+        torch.cuda.empty_cache()
+    if a.ray:
+        results["ray1"] = ray_run(f, a.ray_steps, 1, None, "bench-1gpu")
+        print(json.dumps(results["ray1"], indent=1), flush=True)
+    if a.tp:
+        results[f"tp{a.tp}"] = ray_run(f, a.ray_steps, a.tp, None, f"bench-tp{a.tp}")
+        print(json.dumps(results[f"tp{a.tp}"], indent=1), flush=True)
+    if a.device_map:
+        results["layerwise"] = ray_run(f, a.ray_steps, 1, a.device_map, "bench-layerwise")
+        print(json.dumps(results["layerwise"], indent=1), flush=True)
+    if a.json:
+        with open(a.json, "w") as fh:
+            json.dump(results, fh, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main()
