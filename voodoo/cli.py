@@ -32,7 +32,7 @@ def _data_flags(ap):
                     help="corpus: 'enwiki' (built-in, offline), a .txt/.jsonl/.parquet file, or a "
                          "datasets name")
     ap.add_argument("--seq_len", type=int, default=512)
-    ap.add_argument("--n_train_blocks", type=int, default=64)
+    ap.add_argument("--n_train_blocks", type=int, default=48)
     ap.add_argument("--n_eval_blocks", type=int, default=8)
 
 
@@ -77,7 +77,7 @@ def _train_flags(ap):
                     help="HF folder of the teacher (from make-teacher); default built in memory")
     ap.add_argument("--kl_weight", type=float, default=1.0, help="lambda")
     ap.add_argument("--lr", type=float, default=0.05)
-    ap.add_argument("--max_steps", type=int, default=40)
+    ap.add_argument("--max_steps", type=int, default=24)
     ap.add_argument("--batch_size", type=int, default=1)
     ap.add_argument("--t_start", type=float, default=1.0)
     ap.add_argument("--t_end", type=float, default=0.05)
@@ -146,8 +146,9 @@ def _check_upgrade_patterns(rules, names) -> None:
     names = sorted(names)
     for rx, _ in rules:
         if not any(rx.search(n) for n in names):
-            raise UsageError(f"--tensor_upgrades pattern {rx.pattern!r} matches no tensor; "
-                             f"GGUF names look like {names[0]!r} ... {names[-1]!r}")
+            raise UsageError(f"--tensor_upgrades pattern \"{rx.pattern}\" matches no tensor "
+                             f"(re.search on GGUF names, which look like {names[0]} ... "
+                             f"{names[-1]}); fix or drop that rule")
 
 
 def _precache_fn(a):
@@ -560,12 +561,20 @@ def main(argv: list[str] | None = None) -> int:
     fn, _ = COMMANDS[argv[0]]
     try:
         return int(fn(argv[1:]) or 0)
-    except (ValueError, FileNotFoundError, RuntimeError) as e:
+    except (ValueError, OSError, RuntimeError) as e:
         # bad input: one clear line, no traceback (VOODOO_DEBUG=1 shows it)
         if os.environ.get("VOODOO_DEBUG"):
             raise
         print(f"voodoo {argv[0]}: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        if os.environ.get("VOODOO_DEBUG"):
+            raise
+        # every output is written to a temporary name and renamed when complete, and the
+        # training journal is saved atomically: nothing half-written is left at a final name
+        print(f"voodoo {argv[0]}: interrupted; no partial output was kept (rerun the same "
+              "command to continue)", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -1,0 +1,289 @@
+"""Bad input gives a clear error and loses nothing: exit code 2, one line ``voodoo CMD: error:
+...`` naming the problem and the fix, no traceback; checks that can run before expensive work
+do (nothing of the later stages is written); files already there are kept."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from test_pipeline import run_cli, tiny_fixed  # noqa: F401  (fixture)
+
+REPO = Path(__file__).resolve().parents[1]
+SMALL = ["--seq_len", "64", "--n_train_blocks", "8", "--n_eval_blocks", "2",
+         "--imatrix_blocks", "4", "--no_ray", "--max_steps", "2"]
+
+
+def error_line(rc: int, stderr: str, cmd: str = "train") -> str:
+    """Asserts exit code 2 and exactly one ``voodoo CMD: error:`` line with no traceback;
+    returns it."""
+    assert rc == 2, stderr[-2000:]
+    assert "Traceback" not in stderr, stderr[-2000:]
+    lines = [ln for ln in stderr.splitlines() if ln.startswith(f"voodoo {cmd}: error:")]
+    assert len(lines) == 1, stderr[-2000:]
+    return lines[0]
+
+
+def nothing_written(out: Path) -> None:
+    """No stage output in ``out`` (the folder may exist, empty)."""
+    assert not out.exists() or not any(out.iterdir()), sorted(out.iterdir())
+
+
+# ------------------------------------------------------------------------------- the model
+def test_model_path_missing(tmp_path):
+    out = tmp_path / "out"
+    rc, _, err = run_cli(["train", "--model", str(tmp_path / "no-such-model"),
+                          "--output_dir", str(out), *SMALL])
+    line = error_line(rc, err)
+    assert "no-such-model" in line and "no such file or folder" in line
+    assert "HF model folder or a .gguf" in line
+    nothing_written(out)
+
+
+def test_model_not_a_causal_lm(tmp_path):
+    d = tmp_path / "bert"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({
+        "architectures": ["BertForMaskedLM"], "model_type": "bert", "hidden_size": 64,
+        "num_hidden_layers": 1, "num_attention_heads": 1, "intermediate_size": 64,
+        "vocab_size": 100}))
+    out = tmp_path / "out"
+    rc, _, err = run_cli(["train", "--model", str(d), "--output_dir", str(out), *SMALL])
+    line = error_line(rc, err)
+    assert "BertForMaskedLM" in line and "not a causal language model" in line
+    nothing_written(out)
+
+
+def test_architecture_without_adapter(tmp_path):
+    """A causal LM no adapter maps fails before any conversion, naming the supported ones."""
+    d = tmp_path / "neox"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({
+        "architectures": ["GPTNeoXForCausalLM"], "model_type": "gpt_neox", "hidden_size": 64,
+        "num_hidden_layers": 1, "num_attention_heads": 1, "intermediate_size": 64,
+        "vocab_size": 100}))
+    out = tmp_path / "out"
+    t0 = time.perf_counter()
+    rc, _, err = run_cli(["train", "--model", str(d), "--output_dir", str(out), *SMALL])
+    line = error_line(rc, err)
+    assert "GPTNeoXForCausalLM" in line and "supported architectures" in line
+    assert "LlamaForCausalLM" in line and "Qwen2ForCausalLM" in line
+    assert time.perf_counter() - t0 < 30
+    nothing_written(out)
+
+
+# ---------------------------------------------------------------------------- the budget
+def test_unreachable_compression_ratio(tiny_fixed, tmp_path):  # noqa: F811
+    """Checked as soon as the menus are known: no data, imatrix or candidates are made."""
+    out = tmp_path / "out"
+    rc, _, err = run_cli(["train", "--model", str(tiny_fixed), "--output_dir", str(out),
+                          *SMALL, "--compression_ratio", "0.05"])
+    line = error_line(rc, err)
+    assert "reachable range" in line and "compression ratio" in line
+    import re
+    m = re.search(r"compression ratio (\d\.\d+)\.\.(\d\.\d+)", line)
+    assert m and float(m.group(1)) < float(m.group(2)) and float(m.group(1)) > 0.05, line
+    nothing_written(out)
+
+
+# ---------------------------------------------------------------------- --tensor_upgrades
+@pytest.mark.parametrize("spec, words", [
+    ('[{"pattern": "ffn_down", "levels": 1}', "not valid JSON"),
+    ('[{"pattern": "ffn_(down", "levels": 1}]', "bad regex"),
+    ('[{"pattern": "ffn_down", "levels": "one"}]', "levels must be an integer"),
+    ('{"pattern": "ffn_down"}', "must be a JSON list"),
+])
+def test_tensor_upgrades_malformed_before_any_work(spec, words, tmp_path):
+    """Parsed before the model is even loaded (the model path here does not exist)."""
+    out = tmp_path / "out"
+    rc, _, err = run_cli(["train", "--model", str(tmp_path / "model-not-needed"),
+                          "--output_dir", str(out), *SMALL, "--tensor_upgrades", spec])
+    line = error_line(rc, err)
+    assert "--tensor_upgrades" in line and words in line, line
+    nothing_written(out)
+
+
+def test_tensor_upgrades_pattern_matches_nothing(tiny_fixed, tmp_path):  # noqa: F811
+    out = tmp_path / "out"
+    rc, _, err = run_cli(["train", "--model", str(tiny_fixed), "--output_dir", str(out),
+                          *SMALL, "--tensor_upgrades",
+                          '[{"pattern": "ffn_down", "levels": 1}, '
+                          '{"pattern": "^blk\\\\.99\\\\.", "levels": 1}]'])
+    line = error_line(rc, err)
+    assert "matches no tensor" in line and "blk\\.99\\." in line and "blk.0." in line
+    nothing_written(out)
+
+
+# ---------------------------------------------------------------------------- candidates
+def test_iq_type_needs_an_imatrix():
+    from voodoo.candidates import plan_precache, quantize_candidate
+    from voodoo.candidates import CandidateCache
+    w = np.random.default_rng(0).standard_normal((8, 256)).astype(np.float32)
+    with pytest.raises(ValueError, match="imatrix"):
+        quantize_candidate(w, "IQ2_XXS", None, "blk.0.ffn_down.weight")
+    with pytest.raises(ValueError, match="needs an importance matrix"):
+        plan_precache([("blk.0.ffn_down.weight", w, "IQ2_XXS", None)], CandidateCache("/nonexistent"))
+
+
+def test_corrupt_cached_candidate_is_rebuilt(tiny_fixed, tmp_path):  # noqa: F811
+    """Truncate one cached candidate and corrupt another's bytes; ``voodoo precache`` again
+    detects both, rebuilds them, and the rebuilt files hold the same rows."""
+    from voodoo.candidates import CorruptCandidateWarning, from_arrow
+    import pyarrow as pa
+    cache_dir, out = tmp_path / "cache", tmp_path / "out"
+    argv = ["precache", "--model", str(tiny_fixed), "--output_dir", str(out), "--cache_dir",
+            str(cache_dir), "--seq_len", "64", "--n_train_blocks", "8", "--n_eval_blocks", "2",
+            "--imatrix_blocks", "4", "--no_ray", "--candidate_types", "Q8_0,Q4_K"]
+    rc, stdout, err = run_cli(argv)
+    assert rc == 0, err[-2000:]
+    files = sorted(cache_dir.rglob("*.arrow"))
+    assert len(files) == 30  # 15 tensors x 2 types
+
+    def rows(p):
+        with pa.memory_map(str(p), "r") as src:
+            return from_arrow(pa.ipc.open_file(src).read_all())[0].tobytes()
+    a, b = files[0], files[-1]
+    want = {a: rows(a), b: rows(b)}
+    a.write_bytes(a.read_bytes()[: a.stat().st_size // 2])           # truncated
+    raw = bytearray(b.read_bytes())
+    i = raw.find(want[b][:64])
+    assert i > 0
+    raw[i + 10] ^= 0xFF                                              # one flipped byte
+    b.write_bytes(bytes(raw))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        rc, stdout, err = run_cli(argv)
+    assert rc == 0, err[-2000:]
+    assert sum(issubclass(w.category, CorruptCandidateWarning) for w in caught) == 2
+    assert "28 cached, 2 quantized" in err
+    assert rows(a) == want[a] and rows(b) == want[b]
+
+
+# -------------------------------------------------------------------------------- journal
+def test_corrupt_journal_is_an_error_and_kept(tiny_fixed, tmp_path):  # noqa: F811
+    out = tmp_path / "out"
+    journal = out / "train" / "partial.pt"
+    journal.parent.mkdir(parents=True)
+    junk = b"PK\x03\x04 not really a torch file" + bytes(range(256)) * 4
+    journal.write_bytes(junk)
+    rc, _, err = run_cli(["train", "--model", str(tiny_fixed), "--output_dir", str(out),
+                          *SMALL, "--compression_ratio", "0.5"])
+    line = error_line(rc, err)
+    assert "partial.pt" in line and "kept" in line and "delete it" in line
+    assert journal.read_bytes() == junk
+    assert sorted(p.name for p in out.iterdir()) == ["train"]  # failed before the data stage
+
+
+# ------------------------------------------------------------------------ output folder
+@pytest.mark.parametrize("where", ["under-a-file", "proc"])
+def test_unwritable_output_folder(where, tmp_path):
+    """Fails first, before the model is prepared (the model path here does not exist)."""
+    if where == "under-a-file":
+        f = tmp_path / "a-file"
+        f.write_text("x")
+        out = f / "run"
+    else:
+        out = Path("/proc/voodoo-run")
+    rc, _, err = run_cli(["train", "--model", str(tmp_path / "model-not-needed"),
+                          "--output_dir", str(out), *SMALL])
+    line = error_line(rc, err)
+    assert "cannot write to the output folder" in line and "--output_dir" in line
+    if where == "under-a-file":
+        assert f.read_text() == "x"
+
+
+# ------------------------------------------------------------------------------- export
+def test_interrupted_export_leaves_no_file(tiny_fixed, tmp_path):  # noqa: F811
+    """The cache lookup raises (KeyboardInterrupt, then an error) midway through the export:
+    nothing at the final name, no temporary file left, and an existing file is kept."""
+    import cython_ggml as cg
+    from voodoo.models import prepare_model
+    from voodoo.pipeline import export
+    from voodoo.pipeline import base_weights
+    prepared = prepare_model(tiny_fixed)
+    w = base_weights(prepared.base_gguf)
+    names = sorted(n for n, a in w.items() if a.shape[1] % 32 == 0)
+    asg = {"tensors": {n: {"type": "Q8_0"} for n in names}}
+
+    class Ctx:
+        pass
+    ctx = Ctx()
+    ctx.prepared = prepared
+
+    class Cache:
+        def __init__(self, fail_at, exc):
+            self.n, self.fail_at, self.exc = 0, fail_at, exc
+
+        def get(self, key):
+            self.n += 1
+            if self.n == self.fail_at:
+                raise self.exc
+            return cg.quantize(np.ascontiguousarray(w[key]), "Q8_0")
+    keys = {(n, "Q8_0"): n for n in names}
+    final = tmp_path / "model.gguf"
+    with pytest.raises(KeyboardInterrupt):
+        export(ctx, asg, keys, Cache(4, KeyboardInterrupt()), final)
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+    final.write_bytes(b"an older export")
+    with pytest.raises(RuntimeError, match="disk on fire"):
+        export(ctx, asg, keys, Cache(len(names), RuntimeError("disk on fire")), final)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.gguf"]
+    assert final.read_bytes() == b"an older export"
+    # the same export, uninterrupted, is complete
+    export(ctx, asg, keys, Cache(-1, None), final)
+    from gguf import GGUFReader
+    assert len([t for t in GGUFReader(final).tensors if t.name in names]) == len(names)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.gguf", "model.tensor-types.txt"]
+
+
+@pytest.mark.slow
+def test_sigint_during_cli_export_leaves_no_file(tiny_fixed, tmp_path):  # noqa: F811
+    """``voodoo export`` in a subprocess, interrupted (SIGINT) while writing tensors."""
+    from voodoo.models import prepare_model
+    from voodoo.pipeline import base_weights
+    prepared = prepare_model(tiny_fixed)
+    names = sorted(base_weights(prepared.base_gguf))
+    asg = tmp_path / "x.assignment.json"
+    asg.write_text(json.dumps({"budget_bytes": 1, "total_bytes": 1,
+                               "tensors": {n: {"type": "Q8_0"} for n in names}}))
+    out = tmp_path / "out"
+    # slow each cache lookup down so that SIGINT lands during the export
+    code = (
+        "import sys, time, voodoo.candidates as c\n"
+        "g = c.CandidateCache.get\n"
+        "def slow(self, key):\n"
+        "    r = g(self, key)\n"
+        "    if r is not None and '--in-export' in sys.argv[-1:]: time.sleep(0.5)\n"
+        "    return r\n"
+        "c.CandidateCache.get = slow\n"
+        "import voodoo.pipeline as p\n"
+        "e = p.export\n"
+        "def export(*a, **k):\n"
+        "    print('EXPORTING', flush=True); sys.argv.append('--in-export'); return e(*a, **k)\n"
+        "p.export = export\n"
+        "from voodoo.cli import main\n"
+        "sys.exit(main(sys.argv[1:]))\n")
+    argv = [sys.executable, "-c", code, "export", "--model", str(tiny_fixed), "--output_dir",
+            str(out), "--seq_len", "64", "--n_train_blocks", "8", "--n_eval_blocks", "2",
+            "--imatrix_blocks", "4", "--no_ray", "--assignment", str(asg)]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=REPO)
+    line = proc.stdout.readline()
+    assert "EXPORTING" in line, proc.communicate()[1][-2000:]
+    time.sleep(2.0)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-2000:]
+    assert "voodoo export: interrupted" in err and "Traceback" not in err
+    assert not (out / "x.gguf").exists()
+    left = sorted(p.name for p in out.iterdir())
+    assert left == ["data", "imatrix.gguf"], left  # the stages before export, nothing of it
