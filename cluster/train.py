@@ -44,6 +44,7 @@ import json
 import os
 import shutil
 import tempfile
+import time
 import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -459,8 +460,14 @@ def run_loop(config: dict, backend) -> dict:
     while step < end:
         idx = batch_indices(step, len(job.train_blocks), cfg.batch_size, cfg.seed)[dp_rank::dp]
         ids = job.train_blocks[idx].to(input_device)
+        t0 = time.perf_counter()
         m = train_step(student, teacher_fn, ids, optimizer, params, cfg, budget,
                        temperature_at(step, cfg), grad_sync, forward)
+        if torch.cuda.is_available() and str(input_device).startswith("cuda"):
+            torch.cuda.synchronize()
+            m["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        m["step_seconds"] = time.perf_counter() - t0
+        m["tokens_per_s"] = ids.numel() * dp / m["step_seconds"]
         history.append(m)
         step += 1
         if step % ckpt_every == 0 or step == end:
