@@ -5,7 +5,6 @@ do (nothing of the later stages is written); files already there are kept."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
