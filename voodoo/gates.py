@@ -60,7 +60,8 @@ def _mix(probs: torch.Tensor, cand: torch.Tensor, out_dtype: torch.dtype) -> tor
     if cand.dtype in _EXACT:
         w = probs.to(cand.dtype).unsqueeze(0) @ cand.reshape(k, r * c)
     elif cand.is_cuda:
-        w = probs.to(cand.dtype).unsqueeze(0) @ cand.reshape(k, r * c)
+        from . import kernels
+        return kernels.mix(probs, cand, out_dtype)  # Triton when available
     else:  # bf16 on the CPU: float32 accumulation, one candidate at a time
         p = probs.float()
         w = cand[0].float() * p[0]
@@ -73,7 +74,10 @@ def _dots(cand: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     """``<cand[k], g>`` for each k: cand (K, R, C), g (R, C) -> (K,) float32; one GEMV, each
     candidate read once (bf16/f16 on CUDA: ``g`` rounded to that dtype, float32 accumulation)."""
     k = cand.shape[0]
-    if cand.dtype in _EXACT or cand.is_cuda:
+    if cand.is_cuda and cand.dtype not in _EXACT:
+        from . import kernels
+        return kernels.dots(cand, g)  # Triton when available
+    if cand.dtype in _EXACT:
         return (cand.reshape(k, -1) @ g.reshape(-1).to(cand.dtype)).float()
     gf = g.reshape(-1).float()
     return torch.stack([torch.dot(cand[i].reshape(-1).float(), gf) for i in range(k)])
