@@ -66,8 +66,11 @@ def mix(probs: torch.Tensor, cand: torch.Tensor, out_dtype: torch.dtype) -> torc
         return w.reshape(r, c).to(out_dtype)
     out = torch.empty((r, c), dtype=out_dtype, device=cand.device)
     n = r * c
-    _mix_kernel[(triton.cdiv(n, _BLOCK),)](cand, probs.float().contiguous(), out, n, K=k,
-                                           BLOCK=_BLOCK, num_warps=8)
+    # Triton launches on the current device: pin it to the candidates' (layer-wise sharding
+    # puts layers on several GPUs)
+    with torch.cuda.device(cand.device):
+        _mix_kernel[(triton.cdiv(n, _BLOCK),)](cand, probs.to(cand.device).float().contiguous(),
+                                               out, n, K=k, BLOCK=_BLOCK, num_warps=8)
     return out
 
 
@@ -80,6 +83,7 @@ def dots(cand: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
             .reshape(k).float()
     out = torch.zeros(k, dtype=torch.float32, device=cand.device)
     n = g.numel()
-    _dots_kernel[(triton.cdiv(n, _BLOCK),)](cand, g.contiguous(), out, n, K=k, BLOCK=_BLOCK,
-                                            num_warps=8)
+    with torch.cuda.device(cand.device):
+        _dots_kernel[(triton.cdiv(n, _BLOCK),)](cand, g.to(cand.device).contiguous(), out, n,
+                                                K=k, BLOCK=_BLOCK, num_warps=8)
     return out
