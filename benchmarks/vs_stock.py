@@ -1,0 +1,115 @@
+"""Voodoo against llama.cpp's own file types at equal size, measured as the llama.cpp community
+does: ``llama-perplexity -c 512 --kl-divergence`` against the base on WikiText-2 test.
+
+For each stock type (default Q4_K_M, Q3_K_M, IQ4_XS, IQ2_M, IQ2_XXS):
+  1. the stock file: ``llama-quantize --imatrix I base-f32.gguf out TYPE``;
+  2. the Voodoo file aimed at that file's size (``voodoo train --match_size TYPE`` + export),
+     from the same base and the same imatrix (computed from calibration text, never from the
+     evaluation text);
+then every file is evaluated by llama-perplexity in this one run. Writes ``results.json``,
+``results.md`` (the table) and ``pareto.png`` (file size vs mean KLD, two curves) to ``--out``.
+
+    python benchmarks/vs_stock.py --out benchmarks/results/vs_stock [--chunks 40] [--max_steps 24]
+
+On 2 CPU cores each Voodoo file trains for ``--max_steps`` steps (about 8 s a step at 512
+tokens) and each evaluation of 40 chunks takes about 3 minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+STOCK = ["Q4_K_M", "Q3_K_M", "IQ4_XS", "IQ2_M", "IQ2_XXS"]
+#: mean KLD of the stock types on this model as measured when the bar was set (issue 6)
+BAR = {"Q4_K_M": 0.0387, "Q3_K_M": 0.0933, "IQ4_XS": 0.104, "IQ2_M": 0.328, "IQ2_XXS": 0.570}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "vs_stock"))
+    ap.add_argument("--stock", default=",".join(STOCK))
+    ap.add_argument("--chunks", type=int, default=40)
+    ap.add_argument("--ctx", type=int, default=512)
+    ap.add_argument("--max_steps", type=int, default=24)
+    ap.add_argument("--eval_text", default=str(REPO.parent / "shared" / "data" /
+                                               "wikitext-2-raw-test.txt"))
+    ap.add_argument("--train_args", default="", help="extra flags for voodoo train")
+    a = ap.parse_args()
+    from voodoo.cli import main as voodoo
+    from voodoo.evaluate import format_table, run_perplexity
+    from voodoo.models import default_model, prepare_model
+    from voodoo.runner import gguf_bpw, stock_file
+
+    out = Path(a.out)
+    work = out / "work"
+    work.mkdir(parents=True, exist_ok=True)
+    model = str(default_model())
+    prepared = prepare_model(model)
+    t0 = time.perf_counter()
+    stock = [s.strip().upper() for s in a.stock.split(",") if s.strip()]
+    files = {}
+    for t in stock:
+        d = work / f"voodoo-{t}"
+        common = ["--model", model, "--output_dir", str(d), "--data_dir", str(work / "data"),
+                  "--imatrix_blocks", "16", "--seed", "0"]
+        rc = voodoo(["train", *common, "--match_size", t, "--max_steps", str(a.max_steps),
+                     "--output_name", f"voodoo-{t}", *a.train_args.split()])
+        if rc:
+            print(f"voodoo train --match_size {t} failed ({rc})", file=sys.stderr)
+            return rc
+        rc = voodoo(["export", *common, "--assignment", str(d / f"voodoo-{t}.assignment.json"),
+                     "--imatrix", str(d / "imatrix.gguf")])
+        if rc:
+            return rc
+        files[f"stock {t}"] = stock_file(prepared.base_gguf, t, d / "imatrix.gguf", d / "stock")
+        files[f"Voodoo@{t}"] = d / f"voodoo-{t}.gguf"
+    rows = []
+    for label, f in files.items():
+        r = run_perplexity(f, a.eval_text, ctx=a.ctx, chunks=a.chunks,
+                           kl_base=prepared.reference_gguf)
+        nbytes, bpw = gguf_bpw(f)
+        rows.append({"file": label, "bytes": f.stat().st_size, "bpw": bpw, "ppl": r["ppl"],
+                     "kld": r["kld"], "kld_p99_9": r.get("kld_p99_9"),
+                     "same_top_p": r.get("same_top_p")})
+        print(rows[-1], flush=True)
+    for t in stock:
+        s = next(r for r in rows if r["file"] == f"stock {t}")
+        v = next(r for r in rows if r["file"] == f"Voodoo@{t}")
+        v["size_vs_stock"] = v["bytes"] / s["bytes"] - 1
+        v["kld_vs_stock"] = v["kld"] / s["kld"]
+        v["bar_met"] = bool(v["kld"] <= s["kld"] / 2 and v["size_vs_stock"] <= 0.005)
+    (out / "results.json").write_text(json.dumps({"rows": rows, "chunks": a.chunks,
+                                                  "ctx": a.ctx, "bar": BAR,
+                                                  "seconds": time.perf_counter() - t0},
+                                                 indent=1))
+    table = format_table(rows, ["file", "bytes", "bpw", "ppl", "kld", "kld_p99_9",
+                                "same_top_p", "size_vs_stock", "kld_vs_stock", "bar_met"])
+    (out / "results.md").write_text(table + "\n")
+    print(table)
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for prefix, style in (("stock", "o-"), ("Voodoo", "s-")):
+        pts = sorted((r["bytes"] / 2**20, r["kld"]) for r in rows if r["file"].startswith(prefix))
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=prefix)
+    ax.set_xlabel("file size (MiB)")
+    ax.set_ylabel(f"mean KLD vs base (llama-perplexity -c {a.ctx}, {a.chunks} chunks)")
+    ax.set_yscale("log")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "pareto.png", dpi=120)
+    print(f"wrote {out}/results.json, results.md, pareto.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
