@@ -8,6 +8,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 STANDARD_SIZES = tuple(range(25, 81, 5))
 
@@ -89,6 +90,61 @@ def _train_flags(ap):
     ap.add_argument("--no_compile", action="store_true")
     ap.add_argument("--stop_after", type=int, default=None,
                     help="stop (journal saved) once this many steps are done; rerun to resume")
+
+
+def _ray_flags(ap):
+    g = ap.add_argument_group("Ray Train (cluster/)")
+    g.add_argument("--ray", action="store_true",
+                   help="train the gates under Ray Train's TorchTrainer (cluster.train); "
+                        "under `ray job submit` it joins the job's cluster (RAY_ADDRESS)")
+    g.add_argument("--num_workers", type=int, default=None,
+                   help="Ray Train workers; 0: in this process; default tensor x data parallel")
+    g.add_argument("--tensor_parallel", type=int, default=1,
+                   help="ranks per model replica (needs --ray; see `voodoo tp`)")
+    g.add_argument("--data_parallel", type=int, default=None,
+                   help="model replicas (default num_workers / tensor_parallel)")
+    g.add_argument("--device_map", default=None,
+                   help='layer-wise split of each replica over devices, e.g. "cuda:0,cuda:1"')
+    g.add_argument("--use_gpu", action="store_true", help="one GPU per Ray Train worker")
+    g.add_argument("--cpus_per_worker", type=float, default=None)
+    g.add_argument("--run_name", default=None,
+                   help="Ray Train run name; the same name (and storage) resumes (default: "
+                        "derived from --output_dir)")
+    g.add_argument("--storage_path", default=None,
+                   help="Ray Train storage (shared storage on multi-node clusters; default "
+                        "<output_dir>/ray)")
+    g.add_argument("--max_failures", type=int, default=0,
+                   help="worker-group restarts, each resuming from the last checkpoint")
+
+
+def _check_ray_flags(a) -> None:
+    """Ray-only flags without --ray fail before any work."""
+    if getattr(a, "ray", False):
+        if a.tensor_parallel < 1:
+            raise UsageError(f"--tensor_parallel must be >= 1, got {a.tensor_parallel}")
+        return
+    if a.tensor_parallel > 1:
+        raise UsageError(f"--tensor_parallel {a.tensor_parallel} needs Ray Train: add --ray "
+                         f"(and workers), or run `voodoo tp --nproc {a.tensor_parallel} -- "
+                         f"<train flags>`")
+    for flag in ("num_workers", "data_parallel", "device_map", "run_name", "storage_path"):
+        if getattr(a, flag, None) is not None:
+            raise UsageError(f"--{flag} needs --ray")
+
+
+def _ray_run_name(a, out: Path) -> str:
+    """The Ray Train run name: ``--run_name``, else fixed by the output folder (never a
+    timestamp: the same command resumes the same run)."""
+    if a.run_name:
+        return a.run_name
+    import re
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "-", Path(out).resolve().name).strip("-.") or "run"
+    return f"voodoo-train-{name}"
+
+
+def _ray_storage(a, out: Path) -> str:
+    return str(Path(os.path.expanduser(a.storage_path)).resolve() if a.storage_path
+               else (Path(out) / "ray").resolve())
 
 
 def _eval_flags(ap):
@@ -259,50 +315,108 @@ class Run:
                                           _precache_fn(a))
         return self.keys
 
-    def train(self):
-        from .pipeline import bake_assignment, build_student, build_teacher, write_json
+    def train_config(self):
+        """The TrainConfig of this invocation's flags (budget from :meth:`menus_and_budget`)."""
         from .train import TrainConfig
         a = self.a
         self.menus_and_budget()
-        table, budget = self.table, self.budget
+        budget = self.budget
         ratio = _ratio(a) if a.target_bits is None else None
         if ratio is None and a.target_bits is None:  # --match_size: the ratio it amounts to
             from .budget import q8_0_bytes
             ratio = budget / q8_0_bytes(self.ctx.shapes)
-        cfg = TrainConfig(compression_ratio=ratio,
-                          target_bits=a.target_bits, budget_reduction=a.budget_reduction,
-                          size_weight=a.size_weight, size_tolerance=a.size_tolerance,
-                          kl_weight=a.kl_weight, lr=a.lr, max_steps=a.max_steps,
-                          seq_len=int(self.train_blocks.shape[1]), batch_size=a.batch_size,
-                          t_start=a.t_start, t_end=a.t_end,
-                          partial_save_interval=a.partial_save_interval, seed=a.seed,
-                          device=a.device, dtype=a.dtype,
-                          gradient_checkpointing=a.gradient_checkpointing,
-                          compile=not a.no_compile)
+        return TrainConfig(compression_ratio=ratio,
+                           target_bits=a.target_bits, budget_reduction=a.budget_reduction,
+                           size_weight=a.size_weight, size_tolerance=a.size_tolerance,
+                           kl_weight=a.kl_weight, lr=a.lr, max_steps=a.max_steps,
+                           seq_len=int(self.train_blocks.shape[1]), batch_size=a.batch_size,
+                           t_start=a.t_start, t_end=a.t_end,
+                           partial_save_interval=a.partial_save_interval, seed=a.seed,
+                           device=a.device, dtype=a.dtype,
+                           gradient_checkpointing=a.gradient_checkpointing,
+                           compile=not a.no_compile)
+
+    def student_factory(self):
+        """The picklable :class:`voodoo.pipeline.StudentFactory` of this run (for Ray workers
+        and Tune trials): the same model, menus, cache, imatrix, tokens and budget."""
+        from .pipeline import StudentFactory
+        a = self.a
+        model = _model_arg(a)
+        if Path(os.path.expanduser(str(model))).exists():  # workers may start elsewhere
+            model = str(Path(os.path.expanduser(str(model))).resolve())
+        return StudentFactory(
+            model=model,
+            menus={k: list(v) for k, v in self.menus.items()},
+            imatrix=str(self.imatrix_path) if getattr(self, "imatrix_path", None) else None,
+            cache_dir=str(self.cache.root), train_blocks=self.train_blocks,
+            eval_blocks=self.eval_blocks, teacher_quant=a.teacher_quant,
+            teacher_checkpoint=a.teacher_checkpoint, dtype=a.dtype, budget=int(self.budget))
+
+    def train(self):
+        from .pipeline import build_student, build_teacher
+        a = self.a
+        cfg = self.train_config()
+        if getattr(a, "ray", False):
+            return self.train_ray(cfg)
         with self.timer("teacher"):
             self.teacher = build_teacher(self.ctx, a.teacher_quant,
                                          checkpoint=a.teacher_checkpoint)
         with self.timer("student"):
-            import torch
             from .train import torch_dtype
             self.mixed = build_student(self.ctx, self.menus, self.keys, self.cache,
                                        dtype=torch_dtype(a.dtype), device=a.device)
         with self.timer("gate training"):
             from .pipeline import train
             res = train(self.ctx, self.teacher, self.train_blocks, cfg, self.out / "train",
-                        budget=budget, stop_after=getattr(a, "stop_after", None))
+                        budget=self.budget, stop_after=getattr(a, "stop_after", None))
         if not res.finished:
             print(f"stopped after {res.step} of {cfg.max_steps} steps; the journal is "
                   f"{self.out / 'train' / 'partial.pt'}; rerun the same command to continue")
             self.assignment = None
             return None
+        return self.bake_and_write(res.gates, self.budget)
+
+    def train_ray(self, cfg):
+        """Gate training under Ray Train (:func:`cluster.train.run_training`) with
+        :meth:`student_factory`; then the same bake and files as the in-process path."""
+        a = self.a
+        run_name, storage = _ray_run_name(a, self.out), _ray_storage(a, self.out)
+        nw = a.num_workers
+        if nw is None:
+            nw = a.tensor_parallel * (a.data_parallel or 1)
+        use_gpu = bool(a.use_gpu or str(a.device).startswith("cuda"))
+        if nw > 0:
+            import ray
+            if not ray.is_initialized():
+                ray.init()  # under `ray job submit`: the job's cluster (RAY_ADDRESS)
+        from cluster.train import run_training
+        with self.timer("gate training (Ray Train)"):
+            res = run_training(
+                self.student_factory(), cfg, num_workers=nw, use_gpu=use_gpu,
+                tensor_parallel=a.tensor_parallel, data_parallel=a.data_parallel,
+                run_name=run_name, storage_path=storage, max_failures=a.max_failures,
+                device_map=a.device_map, stop_after=getattr(a, "stop_after", None),
+                resources_per_worker=({"CPU": a.cpus_per_worker} if a.cpus_per_worker
+                                      else None))
+        if not res.finished:
+            print(f"stopped after {res.step} of {cfg.max_steps} steps; the last checkpoint is "
+                  f"{res.checkpoint_path}; rerun the same command to continue")
+            self.assignment = None
+            return None
+        return self.bake_and_write(res.gates, res.budget_bytes)
+
+    def bake_and_write(self, gates, budget):
+        """Bakes ``gates`` (gguf_name -> logits) at ``budget`` bytes and writes
+        ``<stem>.assignment.json`` and ``<stem>.gates.pt`` in the run folder."""
+        from .pipeline import bake_assignment, write_json
+        a = self.a
         with self.timer("bake"):
-            self.assignment = bake_assignment(res.gates, self.menus, table, budget,
+            self.assignment = bake_assignment(gates, self.menus, self.table, budget,
                                               a.tensor_upgrades, tolerance=0.005)
             self.stem = _stem(self.ctx, a, self.assignment)
             write_json(self.out / f"{self.stem}.assignment.json", self.assignment)
             import torch
-            torch.save({k: v.detach().cpu() for k, v in res.gates.items()},
+            torch.save({k: v.detach().cpu() for k, v in gates.items()},
                        self.out / f"{self.stem}.gates.pt")
         tot, b = self.assignment["total_bytes"], self.assignment["budget_bytes"]
         print(f"baked: {tot} bytes for a budget of {b} ({100 * (tot / b - 1):+.2f}%) -> "
@@ -431,11 +545,13 @@ def _train(argv, run_all=False):
     _menu_flags(ap)
     _budget_flags(ap)
     _train_flags(ap)
+    _ray_flags(ap)
     if run_all:
         _eval_flags(ap)
         ap.add_argument("--stock_types", default="IQ2_XXS,IQ2_M,IQ4_XS",
                         help="llama.cpp file types to compare with")
     a = ap.parse_args(argv)
+    _check_ray_flags(a)
     from .bake import parse_tensor_upgrades
     rules = parse_tensor_upgrades(a.tensor_upgrades)  # malformed JSON / regex: fail now
     r = Run(a)
@@ -524,13 +640,97 @@ def _run(argv):
 
 
 def _tp(argv):
-    from cluster.cli import tp_main
-    return tp_main(argv)
+    """``voodoo tp --nproc N [--] <train flags>``: ``voodoo train --ray --tensor_parallel N
+    --num_workers N <flags>`` in this process, with the vendor environment defaults
+    (:func:`voodoo.doctor.vendor_env`) set where the user has not set them. Flags after ``--``
+    win (``--tensor_parallel 2`` with ``--nproc 4``: two replicas of two ranks)."""
+    ap = argparse.ArgumentParser(prog="voodoo tp", description="gate training on N Ray Train "
+                                 "workers, tensor parallel (flags after -- go to voodoo train)")
+    ap.add_argument("--nproc", type=int, required=True, help="Ray Train workers")
+    a, rest = ap.parse_known_args(argv)
+    if rest and rest[0] == "--":
+        rest = rest[1:]
+    if a.nproc < 1:
+        raise UsageError(f"--nproc must be >= 1, got {a.nproc}")
+    from .doctor import vendor_env
+    for k, v in vendor_env().items():
+        os.environ.setdefault(k, v)
+        print(f"[voodoo tp] {k}={os.environ[k]}")
+    import torch
+    head = ["--ray", "--tensor_parallel", str(a.nproc), "--num_workers", str(a.nproc)]
+    if torch.cuda.is_available():
+        head.append("--use_gpu")
+    return _train(head + list(rest))
 
 
 def _tune(argv):
-    from cluster.cli import tune_main
-    return tune_main(argv)
+    """``voodoo tune``: a Ray Tune sweep (cluster.tune.run_sweep) of size_weight /
+    size_tolerance (/ lr) on this model; ``--export`` bakes and writes the best trial."""
+    ap = argparse.ArgumentParser(prog="voodoo tune", description="Ray Tune sweep of the size "
+                                 "penalty (size_weight, size_tolerance, optionally lr)")
+    _model_flags(ap)
+    _data_flags(ap)
+    _menu_flags(ap)
+    _budget_flags(ap)
+    _train_flags(ap)
+    g = ap.add_argument_group("sweep")
+    g.add_argument("--num_samples", type=int, default=4)
+    g.add_argument("--size_weight_range", type=float, nargs=2, default=(1.0, 1000.0),
+                   metavar=("LO", "HI"))
+    g.add_argument("--size_tolerance_range", type=float, nargs=2, default=(0.001, 0.02),
+                   metavar=("LO", "HI"))
+    g.add_argument("--lr_range", type=float, nargs=2, default=None, metavar=("LO", "HI"))
+    g.add_argument("--max_concurrent_trials", type=int, default=2)
+    g.add_argument("--cpus_per_trial", type=float, default=1.0)
+    g.add_argument("--gpus_per_trial", type=float, default=0.0)
+    g.add_argument("--sweep_name", default=None,
+                   help="Tune experiment name (default derived from --output_dir)")
+    g.add_argument("--storage_path", default=None, help="default <output_dir>/ray")
+    g.add_argument("--export", action="store_true",
+                   help="bake the best trial's gates and write its assignment and GGUF")
+    a = ap.parse_args(argv)
+    for flag, (lo, hi) in (("size_weight_range", a.size_weight_range),
+                           ("size_tolerance_range", a.size_tolerance_range),
+                           ("lr_range", a.lr_range or (1, 2))):
+        if not lo < hi:
+            raise UsageError(f"--{flag}: LO must be below HI, got {lo} {hi}")
+    from .bake import parse_tensor_upgrades
+    rules = parse_tensor_upgrades(a.tensor_upgrades)
+    r = Run(a)
+    r.context()
+    _check_upgrade_patterns(rules, [s.gguf_name for s in r.ctx.specs])
+    r.menus_and_budget()
+    r.data()
+    r.imatrix()
+    r.candidates()
+    cfg = r.train_config()
+    import ray
+    if not ray.is_initialized():
+        ray.init()
+    from cluster.tune import run_sweep
+    name = a.sweep_name or _ray_run_name(SimpleNamespace(run_name=None), r.out) \
+        .replace("voodoo-train-", "voodoo-tune-")
+    with r.timer("sweep (Ray Tune)"):
+        best = run_sweep(r.student_factory(), cfg, num_samples=a.num_samples,
+                         size_weight=tuple(a.size_weight_range),
+                         size_tolerance=tuple(a.size_tolerance_range),
+                         lr=tuple(a.lr_range) if a.lr_range else None, name=name,
+                         storage_path=_ray_storage(a, r.out),
+                         max_concurrent_trials=a.max_concurrent_trials,
+                         cpus_per_trial=a.cpus_per_trial, gpus_per_trial=a.gpus_per_trial,
+                         seed=a.seed)
+    from .pipeline import write_json
+    write_json(r.out / "tune_best.json", {k: v for k, v in best.items() if k != "results"})
+    if a.export:
+        ckpt = best.get("checkpoint")
+        if not ckpt:
+            raise RuntimeError(f"the best trial {best['trial_id']} left no checkpoint to "
+                               "export")
+        from cluster.train import load_checkpoint_state
+        st = load_checkpoint_state(ckpt)
+        r.bake_and_write(st["gates"], int(st["budget_bytes"]))
+        r.export()
+    return 0
 
 
 COMMANDS = {

@@ -36,7 +36,7 @@ __all__ = [
     "Context", "Timer", "load_context", "base_weights", "make_menus", "parse_types",
     "ensure_dataset", "ensure_imatrix", "candidate_jobs", "ensure_candidates",
     "build_student", "build_teacher", "bytes_table", "selectable_budget", "train",
-    "bake_assignment", "export", "assign_student",
+    "bake_assignment", "export", "assign_student", "StudentFactory",
 ]
 
 
@@ -374,3 +374,71 @@ def write_json(path, obj) -> Path:
     tmp.write_text(json.dumps(obj, indent=1, default=str))
     os.replace(tmp, path)
     return path
+
+
+# --------------------------------------------------------------------- Ray Train factory
+@dataclass
+class StudentFactory:
+    """A picklable ``factory(WorkerInfo) -> StudentJob`` for :mod:`cluster.train` /
+    :mod:`cluster.tune`: every worker (and every Tune trial) loads the model, builds the teacher
+    and the gated student from the candidate cache, on its own device.
+
+    Plain fields only, so it travels to Ray workers. ``model``: what :func:`load_context`
+    takes (an HF folder, a .gguf, a hub id); ``work_dir``: prepare_model's. ``cache_dir``: the
+    candidate cache (None: the default). ``menus``: gguf_name -> type names. Tokens:
+    ``train_blocks``/``eval_blocks`` ((N, seq_len) int64) when given, else read from
+    ``data_dir`` (``n_train``/``n_eval`` first blocks). ``imatrix``: path of the imatrix file
+    (None: no imatrix). ``teacher_quant``/``teacher_checkpoint``: :func:`build_teacher`'s.
+    ``dtype``: candidates' dtype (None: ``info.cfg.dtype``). ``budget``: bytes (None: from the
+    TrainConfig).
+
+    Candidates must already be in the cache (``voodoo precache`` / the CLI's candidate stage):
+    the factory only looks them up (in-process, no quantization expected). The core imports no
+    Ray: :mod:`cluster.train`'s StudentJob is imported here, lazily."""
+
+    model: str
+    menus: dict
+    imatrix: str | None = None
+    cache_dir: str | None = None
+    train_blocks: torch.Tensor | None = None
+    eval_blocks: torch.Tensor | None = None
+    data_dir: str | None = None
+    n_train: int | None = None
+    n_eval: int | None = None
+    teacher_quant: str = "BF16"
+    teacher_checkpoint: str | None = None
+    dtype: str | None = None
+    budget: int | None = None
+    work_dir: str | None = None
+
+    def blocks(self):
+        """(train_blocks, eval_blocks)."""
+        if self.train_blocks is not None:
+            return self.train_blocks, self.eval_blocks
+        if self.data_dir is None:
+            raise ValueError("StudentFactory needs train_blocks or a data_dir")
+        from .data import load_dataset_dir
+        tr, ev, _ = load_dataset_dir(self.data_dir)
+        return tr[: self.n_train], (ev[: self.n_eval] if ev is not None else None)
+
+    def __call__(self, info):
+        from cluster.train import StudentJob
+
+        from .imatrix import read_imatrix
+        from .train import torch_dtype
+        ctx = load_context(self.model, self.work_dir, with_tokenizer=False)
+        specs = list(ctx.specs)  # build_student replaces ctx.model's modules: take them first
+        cache = CandidateCache(self.cache_dir) if self.cache_dir else CandidateCache()
+        im = read_imatrix(self.imatrix) if self.imatrix else None
+        keys = ensure_candidates(ctx, self.menus, im, cache, None)
+        teacher = build_teacher(ctx, self.teacher_quant, checkpoint=self.teacher_checkpoint)
+        cfg = getattr(info, "cfg", None)
+        dtype = self.dtype or (cfg.dtype if cfg is not None else "float32")
+        build_student(ctx, self.menus, keys, cache, dtype=torch_dtype(dtype), device=info.device)
+        n_head = getattr(ctx.adapter, "n_head", None) or getattr(
+            ctx.model.config, "num_attention_heads", None)
+        n_head_kv = getattr(ctx.adapter, "n_head_kv", None) or getattr(
+            ctx.model.config, "num_key_value_heads", None) or n_head
+        tr, ev = self.blocks()
+        return StudentJob(student=ctx.model, teacher=teacher, train_blocks=tr, eval_blocks=ev,
+                          specs=specs, n_head=n_head, n_head_kv=n_head_kv, budget=self.budget)
