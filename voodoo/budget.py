@@ -15,7 +15,7 @@ Sizes are in bytes throughout; bits per weight are named ``bpw``/``bits``.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 

@@ -69,26 +69,8 @@ class DatasetError(RuntimeError):
 
 
 # ------------------------------------------------------------------------------ file helpers
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _atomic_write_bytes(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".partial", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+from .fsutil import atomic_write_bytes as _atomic_write_bytes  # noqa: E402
+from .fsutil import sha256_file as _sha256_file  # noqa: E402
 
 
 def _atomic_torch_save(obj, path: Path) -> None:

@@ -23,6 +23,8 @@ from typing import Iterable, Mapping, Sequence
 
 import torch
 
+from .fsutil import atomic_write_text, sha256_file
+
 from voodoo.llamacpp import LlamaCppNotBuilt, cache_root, llama_cpp_commit, tool_path
 
 __all__ = ["torch_ppl_kl", "run_perplexity", "kld_base", "parse_perplexity_output",
@@ -160,11 +162,7 @@ def _sha256_file(path: Path) -> str:
     st = path.stat()
     key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
     if key not in _HASHES:
-        h = hashlib.sha256()
-        with open(path, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 22), b""):
-                h.update(chunk)
-        _HASHES[key] = h.hexdigest()
+        _HASHES[key] = sha256_file(path)
     return _HASHES[key]
 
 
@@ -341,15 +339,7 @@ def format_table(rows: Sequence[Mapping], columns: Sequence[str] | None = None) 
 
 
 def _write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".partial", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write_text(path, text)
 
 
 def save_report(rows: Sequence[Mapping], path: str | os.PathLike,

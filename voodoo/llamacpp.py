@@ -18,7 +18,6 @@ holding the tools, directly or in ``bin/``) point Voodoo at a llama.cpp of your 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -117,11 +116,8 @@ def _log(msg: str) -> None:
 
 
 def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+    from .fsutil import sha256_file
+    return sha256_file(path)
 
 
 def fetch_source() -> Path:

@@ -82,13 +82,7 @@ def _log(msg: str) -> None:
     print(f"[voodoo models] {msg}", file=sys.stderr, flush=True)
 
 
-def sha256_file(path: str | os.PathLike) -> str:
-    """Hex sha256 of a file's bytes (read in 1 MiB chunks)."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+from .fsutil import sha256_file  # noqa: E402  (re-exported: voodoo.models.sha256_file)
 
 
 def model_name_from_path(path: str | os.PathLike) -> str:

@@ -29,7 +29,7 @@ import torch
 
 from . import quants
 from .arch import Adapter, TensorSpec, get_adapter
-from .candidates import CandidateCache, CandidateJob, candidate_key
+from .candidates import CandidateCache, CandidateJob
 from .models import PreparedModel, load_hf_model, prepare_model
 
 __all__ = [
@@ -65,7 +65,7 @@ class Timer:
 
     def report(self) -> str:
         total = time.perf_counter() - self.t0
-        lines = [f"| stage | seconds | share |", "| --- | ---: | ---: |"]
+        lines = ["| stage | seconds | share |", "| --- | ---: | ---: |"]
         for k, v in self.stages.items():
             lines.append(f"| {k} | {v:.1f} | {100 * v / total:.0f}% |")
         lines.append(f"| **total** | {total:.1f} | 100% |")
@@ -368,12 +368,8 @@ def assign_student(mixed: Mapping, assignment: Mapping) -> None:
 
 def write_json(path, obj) -> Path:
     """Atomic JSON write (tmp file + os.replace)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(obj, indent=1, default=str))
-    os.replace(tmp, path)
-    return path
+    from .fsutil import atomic_write_text
+    return atomic_write_text(path, json.dumps(obj, indent=1, default=str))
 
 
 # --------------------------------------------------------------------- Ray Train factory

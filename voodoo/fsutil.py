@@ -1,0 +1,43 @@
+"""File helpers shared by every stage: content hashes and atomic writes (a temporary file in
+the target's folder, fsync'd, then ``os.replace``: readers see the old file or the whole new
+one, never a partial one)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+from pathlib import Path
+
+__all__ = ["sha256_file", "atomic_write_bytes", "atomic_write_text"]
+
+
+def sha256_file(path: str | os.PathLike) -> str:
+    """Hex sha256 of a file's bytes (read in 1 MiB chunks)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
+    """Writes ``data`` to ``path`` atomically (parents created). Returns the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".partial", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
+    """:func:`atomic_write_bytes` of UTF-8 text."""
+    return atomic_write_bytes(path, text.encode())
