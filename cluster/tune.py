@@ -177,7 +177,8 @@ def run_sweep(factory: Callable[[WorkerInfo], StudentJob], cfg: TrainConfig, *,
     the trials and the best config when ``print_table``.
 
     Returns ``{"config": best param dict, "objective", "kl", "total_bytes", "budget_bytes",
-    "trial_id", "results": [per-trial dicts]}``. Raises RuntimeError when no trial finished
+    "trial_id", "checkpoint": the best trial's last checkpoint folder (its trained gates in
+    ``state.pt``), "results": [per-trial dicts]}``. Raises RuntimeError when no trial finished
     with a valid size."""
     import ray
     from ray import tune
@@ -223,7 +224,8 @@ def run_sweep(factory: Callable[[WorkerInfo], StudentJob], cfg: TrainConfig, *,
                      OBJECTIVE: m.get(OBJECTIVE), "kl": m.get("kl") if m.get("final") else None,
                      "total_bytes": m.get("total_bytes"), "budget_bytes": m.get("budget_bytes"),
                      "finished": bool(m.get("final")), "ok": bool(m.get("ok")),
-                     "error": None if r.error is None else str(r.error).splitlines()[0]})
+                     "error": None if r.error is None else str(r.error).splitlines()[0],
+                     "checkpoint": None if r.checkpoint is None else r.checkpoint.path})
     done = [r for r in rows if r["finished"] and r["ok"]]
     if print_table:
         _print_table(rows, list(space))
@@ -236,7 +238,8 @@ def run_sweep(factory: Callable[[WorkerInfo], StudentJob], cfg: TrainConfig, *,
               f"config {{{', '.join(f'{k}: {best[k]:.6g}' for k in space)}}}")
     return {"config": {k: best[k] for k in space}, "objective": best[OBJECTIVE],
             "kl": best["kl"], "total_bytes": best["total_bytes"],
-            "budget_bytes": best["budget_bytes"], "trial_id": best["trial_id"], "results": rows}
+            "budget_bytes": best["budget_bytes"], "trial_id": best["trial_id"],
+            "checkpoint": best["checkpoint"], "results": rows}
 
 
 def _print_table(rows: list[dict], params: list[str]) -> None:
