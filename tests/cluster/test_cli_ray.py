@@ -140,9 +140,10 @@ def test_voodoo_tune(tiny_fixed, tmp_path, ray_up):
     rc, stdout, err = run_cli(["tune", "--model", str(tiny_fixed), "--output_dir", str(out),
                                *DATA, *MENU, *TRAIN, "--num_samples", "4",
                                "--size_weight_range", "1", "100", "--cpus_per_trial", "1",
-                               "--max_concurrent_trials", "4", "--export"])
+                               "--max_concurrent_trials", "4", "--max_steps", "2", "--export"])
     print(f"\n[voodoo tune --num_samples 4 --export: {time.perf_counter() - t0:.1f} s]")
     assert rc == 0, (stdout + err)[-4000:]
+    print(stdout[-1500:])
     assert "best: trial" in stdout
     best = json.loads((out / "tune_best.json").read_text())
     assert set(best["config"]) == {"size_weight", "size_tolerance"}
