@@ -67,7 +67,7 @@ class BigLlamaFactory:
         from voodoo.arch import get_adapter
         from voodoo.gates import install_gates
         from voodoo.quants import tensor_nbytes
-        dev = info.device if info is not None else "cuda"
+        dev = info.device if info is not None else DEV
         model = self.base(dev)
         teacher = copy.deepcopy(model)
         adapter = get_adapter(model.config)
@@ -91,7 +91,19 @@ class BigLlamaFactory:
                           n_head=self.heads, n_head_kv=self.kv_heads)
 
 
+DEV = "cuda"
+
+
 def _time(fn, n, warmup=2):
+    if DEV == "cpu":  # smoke runs of this script on a CPU machine
+        for _ in range(warmup):
+            fn()
+        ts = []
+        for _ in range(n):
+            t = time.perf_counter()
+            fn()
+            ts.append(1e3 * (time.perf_counter() - t))
+        return statistics.median(ts)
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -111,11 +123,11 @@ def single_gpu(f: BigLlamaFactory, n: int) -> dict:
     from voodoo.budget import budget_bytes
     from voodoo.gates import gate_parameters, model_expected_bytes
     from voodoo.train import TrainConfig, train_step
-    ids = torch.randint(0, f.vocab, (1, f.tokens), device="cuda")
+    ids = torch.randint(0, f.vocab, (1, f.tokens), device=DEV)
     out = {"tokens": f.tokens, "k": f.k}
 
     # plain bf16 forward + backward with weight gradients
-    plain = f.base("cuda").train()
+    plain = f.base(DEV).train()
     for p in plain.parameters():
         p.requires_grad_(True)
 
@@ -123,12 +135,14 @@ def single_gpu(f: BigLlamaFactory, n: int) -> dict:
         logits = plain(ids).logits
         loss = F.cross_entropy(logits[0, :-1].float(), ids[0, 1:])
         loss.backward()
-    torch.cuda.reset_peak_memory_stats()
+    if DEV == "cuda":
+        torch.cuda.reset_peak_memory_stats()
     out["plain_ms"] = _time(plain_step, n)
-    out["plain_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    out["plain_peak_gib"] = (torch.cuda.max_memory_allocated() / 2**30 if DEV == "cuda" else 0.0)
     out["params"] = sum(p.numel() for p in plain.parameters())
     del plain
-    torch.cuda.empty_cache()
+    if DEV == "cuda":
+        torch.cuda.empty_cache()
 
     job = f(None)
     student, teacher = job.student.train(), job.teacher
@@ -138,13 +152,14 @@ def single_gpu(f: BigLlamaFactory, n: int) -> dict:
         logits = student(ids).logits
         loss = F.cross_entropy(logits[0, :-1].float(), ids[0, 1:])
         loss.backward()
-    torch.cuda.reset_peak_memory_stats()
+    if DEV == "cuda":
+        torch.cuda.reset_peak_memory_stats()
     out["gated_ms"] = _time(gated_step, n)
-    out["gated_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    out["gated_peak_gib"] = (torch.cuda.max_memory_allocated() / 2**30 if DEV == "cuda" else 0.0)
     out["ratio_gated_over_plain"] = out["gated_ms"] / out["plain_ms"]
 
     cfg = TrainConfig(compression_ratio=0.5, max_steps=1000, seq_len=f.tokens, batch_size=1,
-                      device="cuda", dtype="bfloat16", compile=False)
+                      device=DEV, dtype="bfloat16", compile=False)
     shapes = {s.gguf_name: tuple(s.shape) for s in job.specs}
     budget = budget_bytes(shapes, 0.5)
     opt = torch.optim.Adam(params, lr=cfg.lr)
@@ -155,9 +170,10 @@ def single_gpu(f: BigLlamaFactory, n: int) -> dict:
 
     def full_step():
         train_step(student, tfn, ids, opt, params, cfg, budget, 1.0)
-    torch.cuda.reset_peak_memory_stats()
+    if DEV == "cuda":
+        torch.cuda.reset_peak_memory_stats()
     out["step_ms"] = _time(full_step, n)
-    out["step_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    out["step_peak_gib"] = (torch.cuda.max_memory_allocated() / 2**30 if DEV == "cuda" else 0.0)
     out["ratio_step_over_plain"] = out["step_ms"] / out["plain_ms"]
     out["step_tokens_per_s"] = f.tokens / out["step_ms"] * 1e3
     out["expected_gib"] = float(model_expected_bytes(student)) / 2**30
@@ -213,14 +229,17 @@ def main():
     ap.add_argument("--device_map", default=None, help="TorchTrainer layer-wise, one worker")
     ap.add_argument("--ray_steps", type=int, default=6)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run")
     a = ap.parse_args()
+    global DEV
+    DEV = a.device
     f = BigLlamaFactory(a.hidden, a.intermediate, a.layers, a.heads, a.kv_heads, a.vocab, a.k,
                         a.tokens)
-    results = {"device": torch.cuda.get_device_name(0), "shape": vars(a)}
+    results = {"device": torch.cuda.get_device_name(0) if DEV == "cuda" else "cpu",
+               "shape": vars(a)}
     if a.single:
         results["single"] = single_gpu(f, a.n)
         print(json.dumps(results["single"], indent=1), flush=True)
-        torch.cuda.empty_cache()
     if a.ray:
         results["ray1"] = ray_run(f, a.ray_steps, 1, None, "bench-1gpu")
         print(json.dumps(results["ray1"], indent=1), flush=True)
