@@ -190,6 +190,46 @@ def bake(gate_logits: Mapping[str, Sequence[float] | torch.Tensor],
             for m in moves_up(n, lo_):
                 heapq.heappush(heap, m)
 
+    # 4. still under: every single move up overshoots (a large tensor's next rung is bigger
+    # than the slack). Try each tensor one rung up, paid for by the cheapest moves down of the
+    # others (within their guardrails); keep the landing with the best total log-probability.
+    if total < lower:
+        best = None
+        for n in names:
+            j = cur[n] - 1
+            if j < lo[n] or nb[n][j] <= nb[n][cur[n]]:
+                continue
+            c2 = dict(cur)
+            c2[n] = j
+            t2 = total + nb[n][j] - nb[n][cur[n]]
+            heap = [((lp[m][c2[m]] - lp[m][k]) / (nb[m][c2[m]] - nb[m][k]), m, k, c2[m])
+                    for m in names if m != n for k in range(c2[m] + 1, hi[m] + 1)
+                    if nb[m][c2[m]] > nb[m][k]]
+            heapq.heapify(heap)
+            while t2 > upper and heap:
+                _, m, k, c = heapq.heappop(heap)
+                if c2[m] != c:
+                    continue
+                t2 += nb[m][k] - nb[m][c]
+                c2[m] = k
+                heap.extend(((lp[m][k] - lp[m][k2]) / (nb[m][k] - nb[m][k2]), m, k2, k)
+                            for k2 in range(k + 1, hi[m] + 1) if nb[m][k] > nb[m][k2])
+                heapq.heapify(heap)
+            if lower <= t2 <= upper:
+                obj = sum(lp[m][c2[m]] for m in names)
+                if best is None or obj > best[0]:
+                    best = (obj, c2, t2)
+        if best is not None:
+            cur, total = best[1], best[2]
+    if total < lower:
+        import warnings
+        big = max(names, key=lambda n: max(nb[n]))
+        warnings.warn(f"bake: {total} bytes is {100 * (1 - total / budget):.2f}% under the "
+                      f"budget of {budget}: no assignment of these menus lands closer without "
+                      f"going over (steps are coarse; the largest tensor, {big}, moves in steps "
+                      f"of up to {max(abs(a - b) for a, b in zip(nb[big], nb[big][1:]))} bytes)",
+                      stacklevel=2)
+
     tensors = {n: {"type": menu[n][cur[n]], "bytes": nb[n][cur[n]], "menu": menu[n],
                    "probs": [float(p) for p in probs[n]]} for n in names}
     assert total == sum(t["bytes"] for t in tensors.values())

@@ -157,10 +157,50 @@ def _eval_flags(ap):
 
 # ----------------------------------------------------------------------------- helpers
 def _model_arg(a):
+    """--model, else the model an --assignment or --gguf records (Voodoo writes it), else the
+    default model."""
     if a.model:
         return a.model
+    recorded = _recorded_model(a)
+    if recorded:
+        print(f"[voodoo] --model not given: using {recorded} (recorded by Voodoo)",
+              file=sys.stderr)
+        a.model = recorded
+        return recorded
     from .models import default_model
     return str(default_model())
+
+
+def _recorded_model(a) -> str | None:
+    asg = getattr(a, "assignment", None)
+    if asg and Path(asg).is_file():
+        try:
+            m = json.loads(Path(asg).read_text()).get("model")
+        except ValueError:
+            m = None
+        if m:
+            return m
+    for g in getattr(a, "gguf", None) or []:
+        if Path(g).is_file():
+            try:
+                from gguf import GGUFReader
+                f = GGUFReader(str(g)).fields.get("voodoo.model")
+                if f is not None:
+                    return bytes(f.parts[f.data[0]]).decode()
+            except Exception:  # noqa: BLE001 - not a GGUF: reported later
+                return None
+    return None
+
+
+def _provenance(a, assignment) -> dict:
+    """``voodoo.*`` KV pairs for the exported GGUF: the model it was made from, the budget and
+    size in bytes, the llama.cpp commit."""
+    from .llamacpp import llama_cpp_commit
+    m = _model_arg(a)
+    return {"voodoo.model": str(Path(m).resolve()) if Path(m).exists() else str(m),
+            "voodoo.budget_bytes": int(assignment["budget_bytes"]),
+            "voodoo.selectable_bytes": int(assignment["total_bytes"]),
+            "voodoo.llama_cpp_commit": llama_cpp_commit()}
 
 
 def _out_dir(a, ctx=None) -> Path:
@@ -264,6 +304,10 @@ class Run:
         _check_model_early(model)
         with self.timer("load model"):
             self.ctx = load_context(model)
+            base = getattr(self.a, "base_checkpoint", None)
+            if base:  # the base weights (e.g. make-teacher's bf16/) for student and teacher
+                from .pipeline import load_base_checkpoint
+                load_base_checkpoint(self.ctx, base)
         self.out = _out_dir(self.a, self.ctx)
         return self.ctx
 
@@ -298,7 +342,9 @@ class Run:
         from .pipeline import ensure_imatrix
         a = self.a
         with self.timer("imatrix"):
-            calib = self.train_blocks[: a.imatrix_blocks] if a.imatrix is None else None
+            have = a.imatrix or (self.out / "imatrix.gguf").is_file()
+            blocks = getattr(self, "train_blocks", None)
+            calib = None if have or blocks is None else blocks[: a.imatrix_blocks]
             self.imatrix_path = Path(a.imatrix) if a.imatrix else self.out / "imatrix.gguf"
             self.im = ensure_imatrix(self.ctx, self.out / "imatrix.gguf", calib, a.imatrix)
         return self.im
@@ -414,6 +460,10 @@ class Run:
             self.assignment = bake_assignment(gates, self.menus, self.table, budget,
                                               a.tensor_upgrades, tolerance=0.005)
             self.stem = _stem(self.ctx, a, self.assignment)
+            from .llamacpp import llama_cpp_commit
+            self.assignment["model"] = str(Path(_model_arg(a)).resolve()) \
+                if Path(_model_arg(a)).exists() else _model_arg(a)
+            self.assignment["llama_cpp_commit"] = llama_cpp_commit()
             write_json(self.out / f"{self.stem}.assignment.json", self.assignment)
             import torch
             torch.save({k: v.detach().cpu() for k, v in gates.items()},
@@ -434,8 +484,13 @@ class Run:
             return self._match_budget
         from .pipeline import file_overhead_bytes
         t = str(a.match_size).strip()
-        if not t.replace("_", "").isdigit() and not hasattr(self, "imatrix_path"):
-            return -1  # a stock type needs the imatrix first; checked again in train()
+        if not t.replace("_", "").isdigit():
+            from .quants import FTYPE_NOMINAL_BPW
+            if t.upper() not in FTYPE_NOMINAL_BPW:
+                raise UsageError(f"--match_size {t!r}: give a number of bytes or a llama.cpp "
+                                 f"file type ({', '.join(sorted(FTYPE_NOMINAL_BPW))})")
+            if not hasattr(self, "imatrix_path"):
+                return -1  # a stock type needs the imatrix first; checked again in train()
         if t.replace("_", "").isdigit():
             target = int(t.replace("_", ""))
         else:
@@ -461,7 +516,8 @@ class Run:
         from .pipeline import export
         with self.timer("export"):
             self.gguf = export(self.ctx, self.assignment, self.keys, self.cache,
-                               self.out / f"{self.stem}.gguf")
+                               self.out / f"{self.stem}.gguf",
+                               extra_kv=_provenance(self.a, self.assignment))
         print(f"wrote {self.gguf} ({self.gguf.stat().st_size / 2**20:.1f} MiB)")
         return self.gguf
 
@@ -474,13 +530,13 @@ def _bootstrap(argv):
 
 def _doctor(argv):
     from . import doctor
-    argparse.ArgumentParser(prog="voodoo doctor", description=doctor.__doc__.split("\n")[0]) \
+    argparse.ArgumentParser(formatter_class=argparse.ArgumentDefaultsHelpFormatter, prog="voodoo doctor", description=doctor.__doc__.split("\n")[0]) \
         .parse_args(argv)
     return doctor.run()
 
 
 def _data(argv):
-    ap = argparse.ArgumentParser(prog="voodoo data", description="tokenize a corpus into "
+    ap = argparse.ArgumentParser(formatter_class=argparse.ArgumentDefaultsHelpFormatter, prog="voodoo data", description="tokenize a corpus into "
                                  "train/eval blocks of --seq_len")
     _model_flags(ap)
     _data_flags(ap)
@@ -501,7 +557,7 @@ def _data(argv):
 
 
 def _make_teacher(argv):
-    ap = argparse.ArgumentParser(prog="voodoo make-teacher",
+    ap = argparse.ArgumentParser(formatter_class=argparse.ArgumentDefaultsHelpFormatter, prog="voodoo make-teacher",
                                  description="write the BF16 base checkpoint and the Q8_0 teacher")
     _model_flags(ap)
     a = ap.parse_args(argv)
@@ -520,7 +576,7 @@ def _make_teacher(argv):
 
 
 def _precache(argv):
-    ap = argparse.ArgumentParser(prog="voodoo precache",
+    ap = argparse.ArgumentParser(formatter_class=argparse.ArgumentDefaultsHelpFormatter, prog="voodoo precache",
                                  description="quantize every (tensor, menu type) with libggml "
                                              "into the candidate cache (Ray actors)")
     _model_flags(ap)
@@ -538,7 +594,7 @@ def _precache(argv):
 
 
 def _train(argv, run_all=False):
-    ap = argparse.ArgumentParser(prog="voodoo run" if run_all else "voodoo train",
+    ap = argparse.ArgumentParser(formatter_class=argparse.ArgumentDefaultsHelpFormatter, prog="voodoo run" if run_all else "voodoo train",
                                  description="gate training (and, for run, everything else)")
     _model_flags(ap)
     _data_flags(ap)
@@ -580,7 +636,7 @@ def _check_journal_early(train_dir: Path) -> None:
 
 
 def _export(argv):
-    ap = argparse.ArgumentParser(prog="voodoo export",
+    ap = argparse.ArgumentParser(formatter_class=argparse.ArgumentDefaultsHelpFormatter, prog="voodoo export",
                                  description="write the GGUF of a baked assignment")
     _model_flags(ap)
     _data_flags(ap)
@@ -602,37 +658,89 @@ def _export(argv):
     r.cache = _cache(a)
     keys = ensure_candidates(r.ctx, menus, r.im, r.cache, _precache_fn(a))
     stem = a.output_name or Path(a.assignment).name.removesuffix(".assignment.json")
-    p = export(r.ctx, asg, keys, r.cache, r.out / f"{stem}.gguf")
+    p = export(r.ctx, asg, keys, r.cache, r.out / f"{stem}.gguf", extra_kv=_provenance(a, asg))
     print(f"wrote {p}")
     return 0
 
 
 def _eval(argv):
-    ap = argparse.ArgumentParser(prog="voodoo eval", description="llama-perplexity PPL/KLD of a "
-                                 "GGUF against the base (and the stock types with --stock_types)")
+    ap = argparse.ArgumentParser(formatter_class=argparse.ArgumentDefaultsHelpFormatter, 
+        prog="voodoo eval",
+        description="with --gguf: llama-perplexity PPL, KLD and same-top-p of GGUF files "
+                    "against the unquantized base; with --assignment: torch PPL and "
+                    "KL(teacher || student) of the baked student on the eval tokens")
     _model_flags(ap)
+    _data_flags(ap)
+    _menu_flags(ap)
     _eval_flags(ap)
-    ap.add_argument("--gguf", required=True, nargs="+", help="GGUF file(s) to evaluate")
+    ap.add_argument("--gguf", nargs="+", default=None, help="GGUF file(s) to evaluate")
+    ap.add_argument("--assignment", default=None,
+                    help="<name>.assignment.json: evaluate the baked student in torch")
+    ap.add_argument("--teacher_quant", default="BF16", choices=["BF16", "Q8_0", "F32"])
     ap.add_argument("--report", default=None, help="write report.json/.md here")
     a = ap.parse_args(argv)
+    if not a.gguf and not a.assignment:
+        raise UsageError("give --gguf FILE(s) (llama-perplexity) and/or --assignment FILE "
+                         "(torch PPL/KL of the baked student)")
     from .evaluate import format_table, run_perplexity, save_report
-    from .models import prepare_model
-    prepared = prepare_model(_model_arg(a))
-    text = Path(a.eval_text) if a.eval_text else _default_eval_text()
-    if text is None:
-        raise UsageError("no --eval_text and ../shared/data/wikitext-2-raw-test.txt is not "
-                         "there; pass --eval_text FILE")
     rows = []
-    for g in a.gguf:
-        res = run_perplexity(g, text, ctx=a.ctx, chunks=a.chunks, kl_base=prepared.reference_gguf)
-        res["file"] = Path(g).name
-        res["size_mib"] = Path(g).stat().st_size / 2**20
-        rows.append(res)
+    if a.assignment:
+        rows.append(_eval_torch(a))
+    if a.gguf:
+        from .models import prepare_model
+        for g in a.gguf:
+            if not Path(g).is_file():
+                raise UsageError(f"--gguf {g}: no such file")
+        prepared = prepare_model(_model_arg(a))
+        text = Path(a.eval_text) if a.eval_text else _default_eval_text()
+        if text is None:
+            raise UsageError("no --eval_text and ../shared/data/wikitext-2-raw-test.txt is not "
+                             "there; pass --eval_text FILE")
+        print(f"llama-perplexity -c {a.ctx} --chunks {a.chunks} on {text}; KLD against "
+              f"{prepared.reference_gguf}")
+        for g in a.gguf:
+            res = run_perplexity(g, text, ctx=a.ctx, chunks=a.chunks,
+                                 kl_base=prepared.reference_gguf)
+            res["file"] = Path(g).name
+            res["size_mib"] = Path(g).stat().st_size / 2**20
+            rows.append(res)
     cols = ["file", "size_mib", "ppl", "kld", "kld_p99_9", "same_top_p"]
     print(format_table(rows, cols))
     if a.report:
         save_report(rows, a.report)
     return 0
+
+
+def _eval_torch(a) -> dict:
+    """torch PPL and KL(teacher || student) of the student with the assignment's types (one-hot
+    gates) on the dataset's eval blocks (nats/token)."""
+    import torch
+
+    from .evaluate import torch_ppl_kl
+    from .pipeline import assign_student, build_student, build_teacher, ensure_candidates
+    if not Path(a.assignment).is_file():
+        raise UsageError(f"--assignment {a.assignment}: no such file")
+    asg = json.loads(Path(a.assignment).read_text())
+    r = Run(a)
+    r.context()
+    r.data()
+    r.imatrix()
+    menus = {n: list(v["menu"]) for n, v in asg["tensors"].items()}
+    missing = sorted(set(s.gguf_name for s in r.ctx.specs) - set(menus))
+    if missing:
+        raise UsageError(f"the assignment does not cover {missing[0]} (and "
+                         f"{len(missing) - 1} more): was it made for another model?")
+    r.cache = _cache(a)
+    keys = ensure_candidates(r.ctx, menus, r.im, r.cache, _precache_fn(a))
+    teacher = build_teacher(r.ctx, a.teacher_quant)
+    mixed = build_student(r.ctx, menus, keys, r.cache)
+    assign_student(mixed, asg)
+    with torch.no_grad():
+        res = torch_ppl_kl(r.ctx.model, teacher, r.eval_blocks)
+    res["file"] = Path(a.assignment).name + " (torch)"
+    res["kld"] = res.get("kl")
+    res["size_mib"] = asg["total_bytes"] / 2**20
+    return res
 
 
 def _run(argv):
@@ -644,7 +752,7 @@ def _tp(argv):
     --num_workers N <flags>`` in this process, with the vendor environment defaults
     (:func:`voodoo.doctor.vendor_env`) set where the user has not set them. Flags after ``--``
     win (``--tensor_parallel 2`` with ``--nproc 4``: two replicas of two ranks)."""
-    ap = argparse.ArgumentParser(prog="voodoo tp", description="gate training on N Ray Train "
+    ap = argparse.ArgumentParser(formatter_class=argparse.ArgumentDefaultsHelpFormatter, prog="voodoo tp", description="gate training on N Ray Train "
                                  "workers, tensor parallel (flags after -- go to voodoo train)")
     ap.add_argument("--nproc", type=int, required=True, help="Ray Train workers")
     a, rest = ap.parse_known_args(argv)
@@ -666,7 +774,7 @@ def _tp(argv):
 def _tune(argv):
     """``voodoo tune``: a Ray Tune sweep (cluster.tune.run_sweep) of size_weight /
     size_tolerance (/ lr) on this model; ``--export`` bakes and writes the best trial."""
-    ap = argparse.ArgumentParser(prog="voodoo tune", description="Ray Tune sweep of the size "
+    ap = argparse.ArgumentParser(formatter_class=argparse.ArgumentDefaultsHelpFormatter, prog="voodoo tune", description="Ray Tune sweep of the size "
                                  "penalty (size_weight, size_tolerance, optionally lr)")
     _model_flags(ap)
     _data_flags(ap)

@@ -222,6 +222,8 @@ def export_gguf(base_gguf: str | os.PathLike, assignment,
             writer.write_tensor_data(data)
             del data
         writer.close()
+        from .fsutil import file_mode
+        os.chmod(tmp, file_mode())
         os.replace(tmp, out_path)
     except BaseException:
         writer.close()

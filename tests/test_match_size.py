@@ -1,0 +1,54 @@
+"""``--match_size``: the exported GGUF lands within 0.5% of the stock llama.cpp file's size (never
+more than 0.5% larger), for several stock types and a byte target, on a tiny model.
+
+The tiny model here has 6 layers with a 2048-wide MLP, so that its 49152 x 256 embedding is
+about half of the weights rather than 90%: with one tensor holding almost every byte, some sizes
+(e.g. between that tensor's Q6_K and Q8_0 files) are out of reach of every per-tensor assignment
+within 0.5%, and the bake then warns instead."""
+
+from __future__ import annotations
+
+import pytest
+
+from test_pipeline import run_cli
+from voodoo.llamacpp import LlamaCppNotBuilt, cache_root, source_dir, tool_path
+
+pytestmark = pytest.mark.slow
+
+ARGS = ["--seq_len", "64", "--n_train_blocks", "8", "--n_eval_blocks", "2",
+        "--imatrix_blocks", "4", "--no_ray", "--seed", "0",
+        "--candidate_types", "Q8_0,Q6_K,Q5_K,Q4_K,IQ4_XS,Q3_K,Q2_K"]
+TRAIN = ["--max_steps", "2", "--partial_save_interval", "2"]
+
+
+@pytest.fixture(scope="module")
+def tiny_wide():
+    try:
+        source_dir()
+        tool_path("llama-quantize")
+    except LlamaCppNotBuilt as e:
+        pytest.skip(str(e))
+    from conftest import SMOL_GGUF
+    from voodoo.models import make_tiny_model
+    return make_tiny_model(cache_root() / "test-models" / "tiny-llama-6x2048-s0", seed=0,
+                           tokenizer_gguf=SMOL_GGUF if SMOL_GGUF.is_file() else None,
+                           num_hidden_layers=6, intermediate_size=2048)
+
+
+@pytest.mark.parametrize("target", ["Q4_K_M", "Q3_K_M", "IQ4_XS", "20000000"])
+def test_match_size_lands_within_half_a_percent(target, tiny_wide, tmp_path):
+    out = tmp_path / "run"
+    rc, stdout, stderr = run_cli(["train", "--model", str(tiny_wide), "--output_dir", str(out),
+                                  "--match_size", target, "--output_name", "m", *ARGS, *TRAIN])
+    assert rc == 0, stderr[-3000:]
+    rc, _, stderr = run_cli(["export", "--model", str(tiny_wide), "--output_dir", str(out),
+                             "--assignment", str(out / "m.assignment.json"), *ARGS])
+    assert rc == 0, stderr[-3000:]
+    got = (out / "m.gguf").stat().st_size
+    if target.isdigit():
+        want = int(target)
+    else:
+        want = (out / "stock" / f"stock.{target}.gguf").stat().st_size
+    rel = got / want - 1
+    print(f"--match_size {target}: {got} bytes vs {want} ({100 * rel:+.3f}%)")
+    assert abs(rel) <= 0.005 and got <= want * 1.005, (got, want, rel)
