@@ -8,6 +8,7 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
+from ray_session import local_ray  # noqa: E402
 from cluster.precache import PrecacheError, precache_ray  # noqa: E402
 from voodoo.candidates import CandidateCache, precache_local  # noqa: E402
 
@@ -52,12 +53,8 @@ def _assert_same(res, cache, reference):
 @pytest.fixture(scope="session")
 def _ray_session():
     """A local 2-CPU Ray for this session, unless one is already up (then left alone)."""
-    owned = not ray.is_initialized()
-    if owned:
-        ray.init(num_cpus=2, include_dashboard=False, address="local")
-    yield
-    if owned and ray.is_initialized():
-        ray.shutdown()
+    with local_ray():
+        yield
 
 
 @pytest.fixture

@@ -10,6 +10,7 @@ import torch
 
 ray = pytest.importorskip("ray")
 
+from ray_session import local_ray  # noqa: E402
 from cluster.toy import DumpLogits, TinyLlamaFactory  # noqa: E402
 from cluster.tp import TensorParallelError, check_tp, tp_plan  # noqa: E402
 from cluster.train import WorkerInfo, run_training  # noqa: E402
@@ -43,12 +44,8 @@ def test_refuses_without_tp_info_or_bad_split():
 
 @pytest.fixture(scope="module")
 def ray_up():
-    owned = not ray.is_initialized()
-    if owned:
-        ray.init(num_cpus=2, include_dashboard=False, address="local")
-    yield
-    if owned and ray.is_initialized():
-        ray.shutdown()
+    with local_ray():
+        yield
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,7 @@ import torch
 
 ray = pytest.importorskip("ray")
 
+from ray_session import local_ray  # noqa: E402
 from cluster.toy import KillOnce, TinyLlamaFactory  # noqa: E402
 from cluster.train import dispatch_layers, parse_device_map, run_training  # noqa: E402
 from voodoo.train import TrainConfig  # noqa: E402
@@ -72,12 +73,8 @@ def test_device_map_cpu_cpu(tmp_path, reference):
 
 @pytest.fixture(scope="module")
 def ray_up():
-    owned = not ray.is_initialized()
-    if owned:
-        ray.init(num_cpus=2, include_dashboard=False, address="local")
-    yield
-    if owned and ray.is_initialized():
-        ray.shutdown()
+    with local_ray():
+        yield
 
 
 def test_killed_worker_resumes_from_checkpoint(tmp_path, reference, ray_up):

@@ -8,6 +8,7 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
+from ray_session import local_ray  # noqa: E402
 from cluster.toy import TinyLlamaFactory  # noqa: E402
 from cluster.train import WorkerInfo  # noqa: E402
 from cluster.tune import FAIL_OBJECTIVE, evaluate_assignment, run_sweep  # noqa: E402
@@ -22,12 +23,8 @@ CFG = TrainConfig(compression_ratio=0.7, max_steps=6, seq_len=16, batch_size=2, 
 
 @pytest.fixture(scope="module")
 def ray_up():
-    owned = not ray.is_initialized()
-    if owned:
-        ray.init(num_cpus=2, include_dashboard=False, address="local")
-    yield
-    if owned and ray.is_initialized():
-        ray.shutdown()
+    with local_ray():
+        yield
 
 
 def test_evaluate_assignment_counts_a_missed_budget_as_failure():
