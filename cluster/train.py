@@ -55,11 +55,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from voodoo.budget import budget_bpw, budget_bytes, check_reachable
-from voodoo.gates import (gate_parameters, gate_state, init_gates, load_gate_state,
+from voodoo.budget import budget_bytes, check_reachable
+from voodoo.gates import (gate_parameters, gate_state, load_gate_state,
                           mixed_weights, model_expected_bytes)
 from voodoo.train import (_RESUME_FREE, METRICS, TrainConfig, _rng_state, _set_rng_state,
-                          batch_indices, temperature_at, train_step)
+                          batch_indices, start_gates, temperature_at, train_step)
 
 __all__ = [
     "WorkerInfo", "StudentJob", "RunResult", "train_loop_per_worker", "run_loop",
@@ -399,8 +399,8 @@ def run_loop(config: dict, backend) -> dict:
             _set_rng_state(rk["rng"])
             step, history = int(st["step"]), list(st["history"])
         else:
-            init_gates(mixed_weights(student), cfg.gate_init, budget_bpw(budget, shapes),
-                       cfg.gate_init_strength)
+            start_gates(mixed_weights(student), cfg, budget, config.get("init_logits"),
+                        shapes)
             torch.manual_seed(cfg.seed)
 
     ckpt_every = int(config.get("checkpoint_every") or cfg.partial_save_interval)
@@ -503,7 +503,8 @@ def run_training(factory: Callable[[WorkerInfo], StudentJob], cfg: TrainConfig, 
                  resources_per_worker: dict | None = None, checkpoint_every: int | None = None,
                  report_every: int = 1, stop_after: int | None = None,
                  step_hook: Callable | None = None, shared: Any = None,
-                 callbacks: list | None = None, report_objective: bool = False) -> RunResult:
+                 callbacks: list | None = None, report_objective: bool = False,
+                 init_logits: dict | None = None) -> RunResult:
     """Trains gates with a ``TorchTrainer``; returns the final state from its last checkpoint.
 
     Args:
@@ -527,6 +528,8 @@ def run_training(factory: Callable[[WorkerInfo], StudentJob], cfg: TrainConfig, 
             :func:`train_loop_per_worker`. shared: any object the factory needs on every
             worker (candidates, weights): put in the object store once.
         callbacks: RunConfig callbacks (e.g. Tune's ``TuneReportCallback``).
+        init_logits: gguf_name -> (K,) starting logits (needed for ``gate_init="fisher"``;
+            :func:`voodoo.pipeline.fisher_prior`), sent to every worker.
 
     Raises ValueError for inconsistent sizes; ``ray.train.TrainingFailedError`` when the run
     fails more than ``max_failures`` times (the workers' error inside)."""
@@ -555,6 +558,8 @@ def run_training(factory: Callable[[WorkerInfo], StudentJob], cfg: TrainConfig, 
         "use_gpu": use_gpu, "device_map": devices, "checkpoint_every": checkpoint_every,
         "report_every": report_every, "stop_after": stop_after, "step_hook": step_hook,
         "shared": shared, "num_to_keep": num_to_keep, "report_objective": report_objective,
+        "init_logits": ({k: torch.as_tensor(v).float() for k, v in init_logits.items()}
+                        if init_logits is not None else None),
         "local_dir": os.path.join(storage, run_name) if num_workers == 0 else None,
     }
     scaling = ScalingConfig(num_workers=num_workers, use_gpu=use_gpu and num_workers > 0,

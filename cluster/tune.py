@@ -139,7 +139,7 @@ def evaluate_assignment(job: StudentJob, gates: Mapping[str, torch.Tensor], budg
 
 
 def _trial(config: dict, *, factory, base_cfg: dict, shared, checkpoint_every: int,
-           report_every: int, tolerance: float) -> None:
+           report_every: int, tolerance: float, init_logits=None) -> None:
     """One Tune trial: train (reporting the proxy objective), bake, report the objective."""
     from ray import tune
     cfg = TrainConfig.from_dict(dict(base_cfg))
@@ -147,7 +147,7 @@ def _trial(config: dict, *, factory, base_cfg: dict, shared, checkpoint_every: i
                                                              "lr") if k in config})
     loop_cfg = {"factory": factory, "cfg": cfg.to_dict(), "shared": shared,
                 "checkpoint_every": checkpoint_every, "report_every": report_every,
-                "report_objective": True}
+                "report_objective": True, "init_logits": init_logits}
     out = run_loop(loop_cfg, TuneBackend())
     ev = evaluate_assignment(out["job"], out["gates"], out["budget_bytes"], tolerance)
     tune.report({OBJECTIVE: ev["objective"], "kl": ev["kl"], "total_bytes": ev["total_bytes"],
@@ -165,7 +165,7 @@ def run_sweep(factory: Callable[[WorkerInfo], StudentJob], cfg: TrainConfig, *,
               cpus_per_trial: float = 1.0, gpus_per_trial: float = 0.0,
               checkpoint_every: int | None = None, report_every: int = 1,
               tolerance: float = DEFAULT_TOLERANCE, seed: int = 0,
-              print_table: bool = True) -> dict:
+              print_table: bool = True, init_logits: dict | None = None) -> dict:
     """Sweeps ``size_weight`` (log-uniform over the range), ``size_tolerance`` (uniform) and,
     when ``lr`` is given, ``lr`` (log-uniform); minimises :data:`OBJECTIVE`.
 
@@ -174,7 +174,8 @@ def run_sweep(factory: Callable[[WorkerInfo], StudentJob], cfg: TrainConfig, *,
     (``max_t = max_steps + 1`` reports, ``grace_period`` default ``max_steps // 4``). OptunaSearch
     when ``use_optuna`` (default: when optuna imports). Trials run in their own processes with
     ``cpus_per_trial``/``gpus_per_trial``; ``ray.init()`` is called if Ray is not up. Prints
-    the trials and the best config when ``print_table``.
+    the trials and the best config when ``print_table``. ``init_logits``: every trial's
+    starting gates (needed for ``cfg.gate_init == "fisher"``).
 
     Returns ``{"config": best param dict, "objective", "kl", "total_bytes", "budget_bytes",
     "trial_id", "checkpoint": the best trial's last checkpoint folder (its trained gates in
@@ -207,7 +208,7 @@ def run_sweep(factory: Callable[[WorkerInfo], StudentJob], cfg: TrainConfig, *,
     trainable = tune.with_parameters(
         _trial, factory=factory, base_cfg=cfg.to_dict(), shared=ref,
         checkpoint_every=checkpoint_every or cfg.partial_save_interval,
-        report_every=report_every, tolerance=tolerance)
+        report_every=report_every, tolerance=tolerance, init_logits=init_logits)
     trainable = tune.with_resources(trainable, {"cpu": cpus_per_trial, "gpu": gpus_per_trial})
     storage = os.path.abspath(os.path.expanduser(str(storage_path or "~/ray_results")))
     tuner = tune.Tuner(

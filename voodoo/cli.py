@@ -82,6 +82,14 @@ def _train_flags(ap):
     ap.add_argument("--batch_size", type=int, default=1)
     ap.add_argument("--t_start", type=float, default=1.0)
     ap.add_argument("--t_end", type=float, default=0.05)
+    ap.add_argument("--gate_init", default="fisher", choices=["fisher", "budget", "uniform"],
+                    help="gate start: 'fisher' = the byte-budget knapsack of each candidate's "
+                         "Fisher-predicted KL (voodoo.sensitivity); 'budget' = a prior toward "
+                         "the budget's bpw; 'uniform'")
+    ap.add_argument("--gate_init_strength", type=float, default=2.0,
+                    help="fisher: the median tensor's logit margin; budget: logits per bit")
+    ap.add_argument("--fisher_blocks", type=int, default=8,
+                    help="calibration blocks for the Fisher diagonal (gate_init fisher)")
     ap.add_argument("--output_name", default=None, help="file stem (default <Model>.VoodooNN_<badge>)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
@@ -376,7 +384,9 @@ class Run:
                            size_weight=a.size_weight, size_tolerance=a.size_tolerance,
                            kl_weight=a.kl_weight, lr=a.lr, max_steps=a.max_steps,
                            seq_len=int(self.train_blocks.shape[1]), batch_size=a.batch_size,
-                           t_start=a.t_start, t_end=a.t_end,
+                           t_start=a.t_start, t_end=a.t_end, gate_init=a.gate_init,
+                           gate_init_strength=a.gate_init_strength,
+                           fisher_blocks=a.fisher_blocks,
                            partial_save_interval=a.partial_save_interval, seed=a.seed,
                            device=a.device, dtype=a.dtype,
                            gradient_checkpointing=a.gradient_checkpointing,
@@ -407,6 +417,7 @@ class Run:
         with self.timer("teacher"):
             self.teacher = build_teacher(self.ctx, a.teacher_quant,
                                          checkpoint=a.teacher_checkpoint)
+        init = self.gate_prior(cfg, self.teacher)
         with self.timer("student"):
             from .train import torch_dtype
             self.mixed = build_student(self.ctx, self.menus, self.keys, self.cache,
@@ -414,7 +425,8 @@ class Run:
         with self.timer("gate training"):
             from .pipeline import train
             res = train(self.ctx, self.teacher, self.train_blocks, cfg, self.out / "train",
-                        budget=self.budget, stop_after=getattr(a, "stop_after", None))
+                        budget=self.budget, stop_after=getattr(a, "stop_after", None),
+                        init_logits=init)
         if not res.finished:
             print(f"stopped after {res.step} of {cfg.max_steps} steps; the journal is "
                   f"{self.out / 'train' / 'partial.pt'}; rerun the same command to continue")
@@ -422,10 +434,29 @@ class Run:
             return None
         return self.bake_and_write(res.gates, self.budget)
 
+    def gate_prior(self, cfg, teacher):
+        """``--gate_init fisher``: the starting logits (:func:`voodoo.pipeline.fisher_prior`),
+        also written to ``<output_dir>/train/sensitivity.json``; None for the other inits or
+        when a journal will be resumed (it has its own gates)."""
+        from .train import JOURNAL_NAME
+        if cfg.gate_init != "fisher" or (self.out / "train" / JOURNAL_NAME).exists():
+            return None
+        from .pipeline import fisher_prior
+        with self.timer("fisher"):
+            return fisher_prior(self.ctx, teacher, self.menus, self.keys, self.cache,
+                                self.train_blocks[: cfg.fisher_blocks], int(self.budget),
+                                strength=cfg.gate_init_strength, seed=cfg.seed,
+                                report_path=self.out / "train" / "sensitivity.json")
+
     def train_ray(self, cfg):
         """Gate training under Ray Train (:func:`cluster.train.run_training`) with
         :meth:`student_factory`; then the same bake and files as the in-process path."""
         a = self.a
+        init = None
+        if cfg.gate_init == "fisher":
+            from .pipeline import build_teacher
+            init = self.gate_prior(cfg, build_teacher(self.ctx, a.teacher_quant,
+                                                      checkpoint=a.teacher_checkpoint))
         run_name, storage = _ray_run_name(a, self.out), _ray_storage(a, self.out)
         nw = a.num_workers
         if nw is None:
@@ -443,7 +474,7 @@ class Run:
                 run_name=run_name, storage_path=storage, max_failures=a.max_failures,
                 device_map=a.device_map, stop_after=getattr(a, "stop_after", None),
                 resources_per_worker=({"CPU": a.cpus_per_worker} if a.cpus_per_worker
-                                      else None))
+                                      else None), init_logits=init)
         if not res.finished:
             print(f"stopped after {res.step} of {cfg.max_steps} steps; the last checkpoint is "
                   f"{res.checkpoint_path}; rerun the same command to continue")
@@ -812,6 +843,11 @@ def _tune(argv):
     r.imatrix()
     r.candidates()
     cfg = r.train_config()
+    init = None
+    if cfg.gate_init == "fisher":
+        from .pipeline import build_teacher
+        init = r.gate_prior(cfg, build_teacher(r.ctx, a.teacher_quant,
+                                               checkpoint=a.teacher_checkpoint))
     import ray
     if not ray.is_initialized():
         ray.init()
@@ -826,7 +862,7 @@ def _tune(argv):
                          storage_path=_ray_storage(a, r.out),
                          max_concurrent_trials=a.max_concurrent_trials,
                          cpus_per_trial=a.cpus_per_trial, gpus_per_trial=a.gpus_per_trial,
-                         seed=a.seed)
+                         seed=a.seed, init_logits=init)
     from .pipeline import write_json
     write_json(r.out / "tune_best.json", {k: v for k, v in best.items() if k != "results"})
     if a.export:

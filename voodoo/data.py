@@ -450,6 +450,40 @@ def build_dataset(tokenizer, source: str | os.PathLike = DEFAULT_SOURCE,
     return meta
 
 
+def write_heldout_text(data_dir: str | os.PathLike, out_path: str | os.PathLike,
+                       n_chars: int = 400_000) -> Path:
+    """Writes calibration-source text that the dataset in ``data_dir`` does *not* use, for
+    validation with llama.cpp's tools (``llama-perplexity -f``) without touching the
+    evaluation text: documents of the same source, taken from the end of the dataset's
+    shuffled order and skipping every document its train or eval blocks came from, joined by
+    blank lines, until ``n_chars`` characters. Written atomically.
+
+    Raises DatasetError if the folder has no meta.json or the unused documents are fewer than
+    ``n_chars`` characters."""
+    data_dir = Path(data_dir)
+    try:
+        meta = json.loads((data_dir / "meta.json").read_text())
+    except (OSError, ValueError) as e:
+        raise DatasetError(f"{data_dir} is not a dataset folder ({e}); run `voodoo data` "
+                           "first") from None
+    docs, desc = read_documents(meta.get("source_arg", DEFAULT_SOURCE))
+    used = set(meta["eval_document_indices"]) | set(meta["train_document_indices"])
+    order = np.random.default_rng(meta["seed"]).permutation(len(docs))
+    picked, n = [], 0
+    for i in order[::-1]:
+        if int(i) in used or not docs[i].strip():
+            continue
+        picked.append(docs[i].strip())
+        n += len(picked[-1]) + 2
+        if n >= n_chars:
+            break
+    if n < n_chars:
+        raise DatasetError(f"{desc}: only {n} characters of documents unused by {data_dir}; "
+                           f"ask for fewer than {n_chars}")
+    _atomic_write_bytes(Path(out_path), ("\n\n".join(picked) + "\n").encode())
+    return Path(out_path)
+
+
 def load_dataset_dir(data_dir: str | os.PathLike,
                      verify: bool = True) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """Loads a folder written by :func:`build_dataset`.

@@ -457,9 +457,11 @@ def gate_state(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
-def load_gate_state(model: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
-    """Loads logits saved by :func:`gate_state`. Raises ValueError if the names or K differ."""
-    mws = mixed_weights(model)
+def load_gate_state(model: nn.Module | Mapping[str, MixedWeight],
+                    state: Mapping[str, torch.Tensor]) -> None:
+    """Loads logits saved by :func:`gate_state` into a model (or a gguf_name -> MixedWeight
+    mapping). Raises ValueError if the names or K differ."""
+    mws = mixed_weights(model) if isinstance(model, nn.Module) else dict(model)
     if set(mws) != set(state):
         missing, extra = sorted(set(mws) - set(state)), sorted(set(state) - set(mws))
         raise ValueError(f"gate state does not match the model: missing {missing[:5]}, "

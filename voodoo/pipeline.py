@@ -36,7 +36,7 @@ __all__ = [
     "Context", "Timer", "load_context", "base_weights", "make_menus", "parse_types",
     "ensure_dataset", "ensure_imatrix", "candidate_jobs", "ensure_candidates",
     "build_student", "build_teacher", "bytes_table", "selectable_budget", "train",
-    "bake_assignment", "export", "assign_student", "StudentFactory",
+    "bake_assignment", "export", "assign_student", "StudentFactory", "fisher_prior",
 ]
 
 
@@ -337,6 +337,58 @@ def build_teacher(ctx: Context, teacher_quant: str = "BF16", keys=None, cache=No
             d = ctx.adapter.gguf_rows_to_hf(s.gguf_name, cg.dequantize(q, "Q8_0", s.n_per_row))
             w.copy_(torch.from_numpy(np.ascontiguousarray(d)))
     return teacher
+
+
+def _weights_fingerprint(model: torch.nn.Module, specs) -> str:
+    import hashlib
+    h = hashlib.sha256()
+    for s in specs:
+        w = model.get_submodule(s.module_name).weight.detach()
+        h.update(s.gguf_name.encode())
+        h.update(w.float().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def fisher_prior(ctx: Context, teacher: torch.nn.Module, menus, keys, cache: CandidateCache,
+                 blocks: torch.Tensor, budget: int, *, strength: float = 2.0, seed: int = 0,
+                 fisher_cache_dir=None, report_path=None, progress: bool = True
+                 ) -> dict[str, torch.Tensor]:
+    """The ``--gate_init fisher`` starting logits (:mod:`voodoo.sensitivity`).
+
+    The Fisher diagonal is computed on ``teacher`` (an ordinary HF model; call before
+    :func:`build_student`, which replaces ``ctx.model``'s modules) from ``blocks`` (N, T) int64
+    calibration tokens and cached in ``fisher_cache_dir`` (default
+    ``~/.cache/voodoo/fisher``, keyed by the teacher's weights, the tokens and ``seed``). Each
+    candidate's predicted KL ``D[t, k]`` (nats/token) uses the candidates exactly as llama.cpp
+    dequantizes them (from ``cache``) against the teacher's weights. ``report_path``: where to
+    write ``{"mu", "predicted_kl", "tensors": {name: {"menu", "bytes", "dkl", "choice"}}}``
+    (JSON, atomic). Returns gguf_name -> (K,) float32 logits, menu order."""
+    from .llamacpp import cache_root
+    from .sensitivity import (distortion_table, fisher_gate_logits, lagrangian_choice,
+                              load_or_compute_fisher)
+    root = Path(fisher_cache_dir) if fisher_cache_dir else cache_root() / "fisher"
+    fisher = load_or_compute_fisher(teacher, ctx.specs, blocks, root,
+                                    _weights_fingerprint(teacher, ctx.specs), seed=seed,
+                                    progress=progress)
+    table = bytes_table(ctx.specs, menus)
+    dist = {}
+    for s in ctx.specs:
+        cands = torch.stack([torch.from_numpy(np.ascontiguousarray(ctx.adapter.gguf_rows_to_hf(
+            s.gguf_name, _dequantized(cache, keys[(s.gguf_name, t)], t, s.n_per_row))))
+            for t in menus[s.gguf_name]])
+        ref = teacher.get_submodule(s.module_name).weight.detach().float().cpu()
+        dist.update(distortion_table({s.gguf_name: fisher[s.gguf_name]}, {s.gguf_name: cands},
+                                     {s.gguf_name: ref}))
+    logits = fisher_gate_logits(dist, table, budget, strength)
+    if report_path is not None:
+        mu, choice = lagrangian_choice(dist, table, budget)
+        rep = {"mu_nats_per_byte": mu, "budget_bytes": int(budget),
+               "choice_bytes": int(sum(table[n][k] for n, k in choice.items())),
+               "predicted_kl": sum(dist[n][k] for n, k in choice.items()),
+               "tensors": {n: {"menu": list(menus[n]), "bytes": table[n], "dkl": dist[n],
+                               "choice": menus[n][choice[n]]} for n in sorted(dist)}}
+        write_json(report_path, rep)
+    return logits
 
 
 def train(ctx: Context, teacher, train_blocks, cfg, out_dir, budget=None, **kw):

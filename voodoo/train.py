@@ -49,7 +49,7 @@ from voodoo.gates import (GATE_INITS, gate_parameters, gate_state, init_gates, l
 __all__ = [
     "TrainConfig", "TrainResult", "CorruptJournalError", "CONFIG_VERSION", "JOURNAL_NAME",
     "train_gates", "train_step", "temperature_at", "batch_indices", "distill_losses",
-    "torch_dtype", "METRICS",
+    "torch_dtype", "METRICS", "start_gates", "TRAIN_GATE_INITS",
 ]
 
 CONFIG_VERSION = 1
@@ -57,6 +57,8 @@ JOURNAL_NAME = "partial.pt"
 #: Names of the per-step metrics (history entries, progress bar, Ray reports).
 METRICS = ("loss", "ce", "kl", "penalty", "size_ratio", "temperature")
 
+#: ``TrainConfig.gate_init`` values: :data:`voodoo.gates.GATE_INITS` and ``"fisher"``.
+TRAIN_GATE_INITS = ("fisher", *GATE_INITS)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Fields that may change between a run and its resume without changing the result.
 _RESUME_FREE = {"device", "partial_save_interval", "compile", "gradient_checkpointing"}
@@ -77,8 +79,11 @@ class TrainConfig:
     set ``compression_ratio=None`` when giving ``target_bits`` --, less ``budget_reduction``
     (:func:`voodoo.budget.budget_bytes`). ``size_weight``/``size_tolerance``: the penalty's
     weight and dead zone (relative). ``kl_weight``: lambda. ``lr``: Adam's, on the logits.
-    ``t_start``/``t_end``: the geometric temperature schedule. ``gate_init``: ``"budget"`` (a
-    prior toward the budget's bpw, strength ``gate_init_strength`` per bit) or ``"uniform"``.
+    ``t_start``/``t_end``: the geometric temperature schedule. ``gate_init``: ``"fisher"`` (the
+    knapsack solution of the Fisher-predicted KL per candidate, :mod:`voodoo.sensitivity`,
+    computed from ``fisher_blocks`` calibration blocks and passed to :func:`train_gates` as
+    ``init_logits``), ``"budget"`` (a prior toward the budget's bpw, strength
+    ``gate_init_strength`` per bit) or ``"uniform"``.
     ``dtype``: the storage/compute dtype the caller loads the student and candidates in
     (``"bfloat16"`` on CUDA saves memory). ``compile``: ``torch.compile`` the student on CUDA
     (``--no_compile`` turns it off; never used on CPU).
@@ -99,8 +104,9 @@ class TrainConfig:
     batch_size: int = 4
     t_start: float = 1.0
     t_end: float = 0.05
-    gate_init: str = "budget"
+    gate_init: str = "fisher"
     gate_init_strength: float = 2.0
+    fisher_blocks: int = 8
     partial_save_interval: int = 50
     seed: int = 0
     device: str = "cpu"
@@ -131,8 +137,11 @@ class TrainConfig:
                 raise ValueError(f"{k} must be an integer >= 1, got {getattr(self, k)}")
         if self.seq_len < 2:
             raise ValueError("seq_len must be >= 2 (next-token loss)")
-        if self.gate_init not in GATE_INITS:
-            raise ValueError(f"gate_init must be one of {GATE_INITS}, got {self.gate_init!r}")
+        if self.gate_init not in TRAIN_GATE_INITS:
+            raise ValueError(f"gate_init must be one of {TRAIN_GATE_INITS}, got "
+                             f"{self.gate_init!r}")
+        if not (isinstance(self.fisher_blocks, int) and self.fisher_blocks >= 1):
+            raise ValueError(f"fisher_blocks must be an integer >= 1, got {self.fisher_blocks}")
         torch_dtype(self.dtype)
 
     def to_dict(self) -> dict:
@@ -300,11 +309,28 @@ def _load_journal(path: Path) -> dict:
 # --------------------------------------------------------------------------- the loop
 
 
+def start_gates(mixed, cfg: TrainConfig, budget: float,
+                init_logits: dict[str, torch.Tensor] | None = None, shapes=None) -> None:
+    """Sets the starting logits of a fresh run: ``init_logits`` if given, else
+    :func:`voodoo.gates.init_gates` with ``cfg.gate_init`` (``shapes``: the tensors' full
+    shapes, default the gates' own). Raises ValueError for ``gate_init="fisher"`` without
+    ``init_logits``."""
+    if init_logits is not None:
+        load_gate_state(mixed, init_logits)
+        return
+    if cfg.gate_init == "fisher":
+        raise ValueError("gate_init 'fisher' needs init_logits (voodoo.pipeline.fisher_prior "
+                         "computes them from the teacher and the candidates)")
+    shapes = shapes or {n: m.shape for n, m in mixed.items()}
+    init_gates(mixed, cfg.gate_init, budget_bpw(budget, shapes), cfg.gate_init_strength)
+
+
 def train_gates(student: nn.Module, teacher, train_blocks: torch.Tensor, cfg: TrainConfig,
                 output_dir: str | os.PathLike | None = None, *, budget: int | None = None,
                 grad_sync: Callable[[list], None] | None = None, rank: int = 0,
                 world_size: int = 1, progress: bool = True, stop_after: int | None = None,
-                callback: Callable[[int, dict], None] | None = None) -> TrainResult:
+                callback: Callable[[int, dict], None] | None = None,
+                init_logits: dict[str, torch.Tensor] | None = None) -> TrainResult:
     """Trains the gate logits of ``student`` (see the module docstring).
 
     Args:
@@ -321,6 +347,8 @@ def train_gates(student: nn.Module, teacher, train_blocks: torch.Tensor, cfg: Tr
         stop_after: stop (after saving the journal) once this many steps are done in total;
             the result has ``finished=False``. For time-limited jobs and tests.
         callback: called as ``callback(step_done, metrics)`` after every step.
+        init_logits: gguf_name -> (K,) starting logits (required for ``gate_init="fisher"``:
+            :func:`voodoo.pipeline.fisher_prior`); ignored when resuming from a journal.
 
     Raises ValueError (bad blocks, no gates, budget outside the menus' reachable range, a
     journal from a different run), CorruptJournalError (unreadable ``partial.pt``; kept).
@@ -385,7 +413,7 @@ def train_gates(student: nn.Module, teacher, train_blocks: torch.Tensor, cfg: Tr
         _set_rng_state(st["rng"])
         step, history = int(st["step"]), list(st["history"])
     else:
-        init_gates(mws, cfg.gate_init, budget_bpw(budget, shapes), cfg.gate_init_strength)
+        start_gates(mws, cfg, budget, init_logits)
         torch.manual_seed(cfg.seed)
         if journal is not None and rank == 0:
             journal.parent.mkdir(parents=True, exist_ok=True)

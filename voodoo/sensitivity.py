@@ -1,0 +1,225 @@
+"""Per-tensor, per-candidate sensitivity from the Fisher information, and the gate prior
+built from it (``--gate_init fisher``).
+
+Why: the quantity Voodoo is judged by is the mean per-token KL(base || quantized). Around the
+base weights W its second-order expansion is ``KL(W + dW) ~ 1/2 dW^T F dW`` with F the Fisher
+information of the model's next-token distribution (the KL's Hessian at dW = 0; the gradient
+there is zero). With F's diagonal and every tensor's error taken alone, candidate k of tensor t
+costs about::
+
+    D[t, k] = 1/2 * sum_ij F_t[i, j] * (W_k[i, j] - W[i, j]) ** 2        (nats per token)
+
+and the whole assignment costs ``sum_t D[t, k_t]``. Minimising that under the byte budget is a
+multiple-choice knapsack; its Lagrangian ``min_k D[t, k] + mu * bytes[t, k]`` with ``mu`` found
+by bisection solves it on the lower convex hull, which with hundreds of tensors is within one
+tensor's step of the exact optimum (Everett, 1963; used for mixed precision by HAWQ-V2/V3).
+
+The gate prior puts each gate's logits at ``z[t, k] = -(D[t, k] + mu * bytes[t, k]) / tau``: the
+argmax is the knapsack's choice, and ``tau`` makes the median tensor's margin between its best
+and second-best type ``strength`` (so clear choices start sharp and near-ties start soft). Gate
+training then corrects what the diagonal, one-tensor-at-a-time model misses, and the bake's
+repair (which ranks moves by logit drop per byte) continues the same Lagrangian ordering.
+
+F is estimated as llama.cpp's imatrix is -- from calibration text only -- by the squared
+gradient of ``sum_positions log p(y)`` with the labels ``y`` *sampled from the model's own
+distribution* (the true Fisher, not the empirical one: with sampled labels the cross terms
+between positions vanish in expectation, so the squared per-sequence gradient is an unbiased
+estimate of the sum over positions of the per-token Fisher diagonal).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import torch
+from torch import nn
+
+__all__ = ["fisher_diagonal", "distortion_table", "lagrangian_choice", "fisher_gate_logits",
+           "load_or_compute_fisher", "FISHER_VERSION"]
+
+FISHER_VERSION = 1
+
+
+def _weight(model: nn.Module, module_name: str) -> nn.Parameter:
+    mod = model.get_submodule(module_name)
+    w = getattr(mod, "weight", None)
+    if not isinstance(w, nn.Parameter):
+        raise ValueError(f"module {module_name!r} has no weight parameter (were gates already "
+                         f"installed on this model? compute the Fisher on the teacher)")
+    return w
+
+
+def fisher_diagonal(model: nn.Module, specs: Sequence, blocks: torch.Tensor, *, seed: int = 0,
+                    progress: bool = True) -> dict[str, torch.Tensor]:
+    """The diagonal of the per-token Fisher information of each selectable weight.
+
+    Args:
+        model: a HF causal LM with ordinary weights (e.g. the teacher), float32.
+        specs: TensorSpec-like objects with ``gguf_name`` and ``module_name``; a tied weight
+            (embedding = output head) is one parameter, so both of its uses add up in its grad.
+        blocks: (N, T) int64 token ids (calibration text), N >= 1.
+        seed: seeds the sampled labels (block i uses ``seed * 1_000_003 + i``).
+
+    Returns gguf_name -> (n_rows, n_per_row) float32 CPU tensor in HF layout: the mean over
+    blocks of the squared gradient of ``sum_t log p(y_t | x_<t)``, ``y_t`` sampled from the
+    model, divided by T -- so ``1/2 * sum F * dW**2`` is in nats per token.
+
+    Raises ValueError for empty or non-integer blocks or a spec whose module has no weight.
+    """
+    if blocks.dim() != 2 or len(blocks) < 1 or blocks.dtype != torch.long:
+        raise ValueError(f"blocks must be (N >= 1, T) int64, got {tuple(blocks.shape)} "
+                         f"{blocks.dtype}")
+    weights = {s.gguf_name: _weight(model, s.module_name) for s in specs}
+    was = {id(p): p.requires_grad for p in model.parameters()}
+    wanted = {id(w) for w in weights.values()}
+    for p in model.parameters():
+        p.requires_grad_(id(p) in wanted)
+    model.eval()
+    dev = next(iter(weights.values())).device
+    acc = {n: torch.zeros(w.shape, dtype=torch.float32, device=dev) for n, w in weights.items()}
+    n, t = blocks.shape
+    it = range(n)
+    if progress:
+        from tqdm.auto import tqdm
+        it = tqdm(it, desc="fisher", dynamic_ncols=True)
+    try:
+        for i in it:
+            ids = blocks[i: i + 1].to(dev)
+            out = model(input_ids=ids, use_cache=False)
+            logits = (out.logits if hasattr(out, "logits") else out).float()[0]
+            g = torch.Generator(device="cpu").manual_seed(seed * 1_000_003 + i)
+            with torch.no_grad():
+                p = torch.softmax(logits.detach().cpu(), -1)
+                y = torch.multinomial(p, 1, generator=g).squeeze(1).to(dev)
+            loss = nn.functional.cross_entropy(logits, y, reduction="sum")
+            grads = torch.autograd.grad(loss, list(weights.values()), allow_unused=True)
+            for (name, _), gr in zip(weights.items(), grads):
+                if gr is not None:
+                    acc[name].add_(gr.float().square())
+    finally:
+        for p in model.parameters():
+            p.requires_grad_(was[id(p)])
+    return {k: (v / (n * t)).cpu() for k, v in acc.items()}
+
+
+@torch.no_grad()
+def distortion_table(fisher: Mapping[str, torch.Tensor], candidates: Mapping[str, torch.Tensor],
+                     reference: Mapping[str, torch.Tensor]) -> dict[str, list[float]]:
+    """``D[t, k] = 1/2 * sum F_t * (W_k - W_t)**2`` in nats per token (see the module docstring).
+
+    Args:
+        fisher: gguf_name -> (n_rows, n_per_row) from :func:`fisher_diagonal`.
+        candidates: gguf_name -> (K, n_rows, n_per_row) dequantized candidates (HF layout).
+        reference: gguf_name -> (n_rows, n_per_row) the weights the KL is measured against.
+
+    Returns gguf_name -> K floats. Raises ValueError on a missing name or a shape mismatch."""
+    out = {}
+    for name, cand in candidates.items():
+        if name not in fisher or name not in reference:
+            raise ValueError(f"{name}: no Fisher diagonal or reference weight")
+        f, w = fisher[name], reference[name]
+        if tuple(f.shape) != tuple(cand.shape[1:]) or tuple(w.shape) != tuple(cand.shape[1:]):
+            raise ValueError(f"{name}: Fisher {tuple(f.shape)}, reference {tuple(w.shape)} and "
+                             f"candidates {tuple(cand.shape)} disagree")
+        f = f.to(cand.device, torch.float32)
+        w = w.to(cand.device, torch.float32)
+        out[name] = [0.5 * float((f * (cand[k].float() - w).square()).sum(dtype=torch.float64))
+                     for k in range(cand.shape[0])]
+    return out
+
+
+def lagrangian_choice(dist: Mapping[str, Sequence[float]], nbytes: Mapping[str, Sequence[int]],
+                      budget: float, iters: int = 100) -> tuple[float, dict[str, int]]:
+    """Solves ``min sum_t D[t, k_t]`` s.t. ``sum_t bytes[t, k_t] <= budget`` on the convex hull.
+
+    Returns (mu, {gguf_name: k}) with the smallest ``mu >= 0`` (nats per byte, found by
+    bisection on a log scale) whose choices ``argmin_k D + mu * bytes`` fit in ``budget``
+    (``mu = 0`` when the best type of every tensor already fits). Raises ValueError if even the
+    smallest types exceed ``budget``."""
+    names = sorted(dist)
+
+    def pick(mu):
+        ch = {n: min(range(len(dist[n])), key=lambda k: (dist[n][k] + mu * nbytes[n][k], k))
+              for n in names}
+        return ch, sum(nbytes[n][ch[n]] for n in names)
+
+    ch, tot = pick(0.0)
+    if tot <= budget:
+        return 0.0, ch
+    if sum(min(nbytes[n]) for n in names) > budget:
+        raise ValueError(f"budget {budget:.0f} bytes is below the smallest types' total")
+    dmax = max(max(v) for v in dist.values()) + 1e-30
+    bmin = min(min(b for b in v if b > 0) for v in nbytes.values())
+    lo, hi = 0.0, 1.0
+    while pick(hi)[1] > budget:  # grow until it fits
+        hi *= 10.0
+        if hi > 1e6 * dmax / bmin:
+            break
+    lo = hi / 1e30
+    for _ in range(iters):
+        mid = math.sqrt(lo * hi)
+        if pick(mid)[1] > budget:
+            lo = mid
+        else:
+            hi = mid
+    return hi, pick(hi)[0]
+
+
+def fisher_gate_logits(dist: Mapping[str, Sequence[float]], nbytes: Mapping[str, Sequence[int]],
+                       budget: float, strength: float = 2.0) -> dict[str, torch.Tensor]:
+    """Gate logits ``z[t, k] = -(D[t, k] + mu * bytes[t, k]) / tau`` (module docstring).
+
+    ``tau``: the median over tensors (with K >= 2) of the margin between the best and
+    second-best ``D + mu * bytes``, divided by ``strength``. Returns gguf_name -> (K,) float32.
+    """
+    mu, _ = lagrangian_choice(dist, nbytes, budget)
+    cost = {n: torch.tensor([d + mu * b for d, b in zip(dist[n], nbytes[n])],
+                            dtype=torch.float64) for n in dist}
+    margins = []
+    for c in cost.values():
+        if len(c) >= 2:
+            s = torch.sort(c).values
+            margins.append(float(s[1] - s[0]))
+    margins = [m for m in margins if m > 0]
+    tau = (sorted(margins)[len(margins) // 2] / strength) if margins else 1.0
+    return {n: (-(c - c.min()) / tau).float() for n, c in cost.items()}
+
+
+def _fisher_key(model_id: str, blocks: torch.Tensor, seed: int, reference_tag: str) -> str:
+    h = hashlib.sha256()
+    h.update(json.dumps({"v": FISHER_VERSION, "model": model_id, "seed": seed,
+                         "ref": reference_tag, "shape": list(blocks.shape)}).encode())
+    h.update(blocks.cpu().numpy().tobytes())
+    return h.hexdigest()[:24]
+
+
+def load_or_compute_fisher(model: nn.Module, specs: Sequence, blocks: torch.Tensor,
+                           cache_dir: str | os.PathLike, model_id: str, *, seed: int = 0,
+                           reference_tag: str = "", progress: bool = True
+                           ) -> dict[str, torch.Tensor]:
+    """:func:`fisher_diagonal`, cached in ``cache_dir/fisher-<key>.pt`` (key: model id, the
+    blocks' bytes, seed, ``reference_tag`` -- e.g. the teacher's kind). Written atomically; an
+    unreadable cache file is recomputed and replaced."""
+    import io
+
+    from .fsutil import atomic_write_bytes
+    cache_dir = Path(cache_dir)
+    path = cache_dir / f"fisher-{_fisher_key(model_id, blocks, seed, reference_tag)}.pt"
+    names = {s.gguf_name for s in specs}
+    if path.is_file():
+        try:
+            obj = torch.load(path, map_location="cpu", weights_only=True)
+            if set(obj) == names:
+                return obj
+        except Exception:  # noqa: BLE001 -- a torn or foreign file: recompute
+            pass
+    fisher = fisher_diagonal(model, specs, blocks, seed=seed, progress=progress)
+    buf = io.BytesIO()
+    torch.save(fisher, buf)
+    atomic_write_bytes(path, buf.getvalue())
+    return fisher
