@@ -9,10 +9,13 @@ For each stock type (default Q4_K_M, Q3_K_M, IQ4_XS, IQ2_M, IQ2_XXS):
 then every file is evaluated by llama-perplexity in this one run. Writes ``results.json``,
 ``results.md`` (the table) and ``pareto.png`` (file size vs mean KLD, two curves) to ``--out``.
 
-    python benchmarks/vs_stock.py --out benchmarks/results/vs_stock [--chunks 40] [--max_steps 24]
+    python benchmarks/vs_stock.py --out benchmarks/results/vs_stock [--chunks 40] [--max_steps 8]
 
-On 2 CPU cores each Voodoo file trains for ``--max_steps`` steps (about 8 s a step at 512
-tokens) and each evaluation of 40 chunks takes about 3 minutes.
+The Voodoo files use the CLI's defaults (``--gate_init fisher``: the Fisher knapsack prior,
+then ``--max_steps`` gate-training steps); ``--train_args`` adds flags. One imatrix (the first
+row's, computed from 16 enwiki calibration blocks) serves every file. On 2 CPU cores a
+gate-training step of 512 tokens takes about 30 s and each evaluation of 40 chunks about 3
+minutes.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ def main() -> int:
     ap.add_argument("--stock", default=",".join(STOCK))
     ap.add_argument("--chunks", type=int, default=40)
     ap.add_argument("--ctx", type=int, default=512)
-    ap.add_argument("--max_steps", type=int, default=24)
+    ap.add_argument("--max_steps", type=int, default=8)
     ap.add_argument("--eval_text", default=str(REPO.parent / "shared" / "data" /
                                                "wikitext-2-raw-test.txt"))
     ap.add_argument("--train_args", default="", help="extra flags for voodoo train")
@@ -55,20 +58,25 @@ def main() -> int:
     t0 = time.perf_counter()
     stock = [s.strip().upper() for s in a.stock.split(",") if s.strip()]
     files = {}
+    shared_im = work / "imatrix.gguf"
     for t in stock:
         d = work / f"voodoo-{t}"
         common = ["--model", model, "--output_dir", str(d), "--data_dir", str(work / "data"),
                   "--imatrix_blocks", "16", "--seed", "0"]
+        if shared_im.is_file():
+            common += ["--imatrix", str(shared_im)]
         rc = voodoo(["train", *common, "--match_size", t, "--max_steps", str(a.max_steps),
                      "--output_name", f"voodoo-{t}", *a.train_args.split()])
         if rc:
             print(f"voodoo train --match_size {t} failed ({rc})", file=sys.stderr)
             return rc
-        rc = voodoo(["export", *common, "--assignment", str(d / f"voodoo-{t}.assignment.json"),
-                     "--imatrix", str(d / "imatrix.gguf")])
+        if not shared_im.is_file():
+            shared_im.write_bytes((d / "imatrix.gguf").read_bytes())
+            common += ["--imatrix", str(shared_im)]
+        rc = voodoo(["export", *common, "--assignment", str(d / f"voodoo-{t}.assignment.json")])
         if rc:
             return rc
-        files[f"stock {t}"] = stock_file(prepared.base_gguf, t, d / "imatrix.gguf", d / "stock")
+        files[f"stock {t}"] = stock_file(prepared.base_gguf, t, shared_im, d / "stock")
         files[f"Voodoo@{t}"] = d / f"voodoo-{t}.gguf"
     rows = []
     for label, f in files.items():

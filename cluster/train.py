@@ -400,7 +400,7 @@ def run_loop(config: dict, backend) -> dict:
             step, history = int(st["step"]), list(st["history"])
         else:
             start_gates(mixed_weights(student), cfg, budget, config.get("init_logits"),
-                        shapes)
+                        shapes, student=student, teacher=teacher, blocks=job.train_blocks)
             torch.manual_seed(cfg.seed)
 
     ckpt_every = int(config.get("checkpoint_every") or cfg.partial_save_interval)

@@ -98,6 +98,15 @@ def test_run_writes_every_stage(tiny_run):
     assert not list(out.glob(".*partial*")), "temporary files left behind"
     rows = json.loads((out / "eval" / "report.json").read_text())
     assert [r["file"] for r in rows] == ["Voodoo"]
+    # the default gate init is the Fisher knapsack; its report covers every tensor and its
+    # choice fits the budget
+    sens = json.loads((out / "train" / "sensitivity.json").read_text())
+    asg = json.loads(tiny_run["assignment"].read_text())
+    assert set(sens["tensors"]) == set(asg["tensors"])
+    assert sens["choice_bytes"] <= sens["budget_bytes"] == asg["budget_bytes"]
+    assert sens["predicted_kl"] > 0 and sens["mu_nats_per_byte"] > 0
+    for t in sens["tensors"].values():
+        assert len(t["dkl"]) == len(t["menu"]) == len(t["bytes"]) and t["choice"] in t["menu"]
     assert rows[0]["ppl"] > 0 and rows[0]["kld"] >= 0 and 0 <= rows[0]["same_top_p"] <= 1
     assert "baked:" in tiny_run["stdout"] and "| Voodoo |" in tiny_run["stdout"]
 

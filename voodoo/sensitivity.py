@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 __all__ = ["fisher_diagonal", "distortion_table", "lagrangian_choice", "fisher_gate_logits",
-           "load_or_compute_fisher", "FISHER_VERSION"]
+           "load_or_compute_fisher", "gated_specs", "prior_from_student", "FISHER_VERSION"]
 
 FISHER_VERSION = 1
 
@@ -223,3 +223,44 @@ def load_or_compute_fisher(model: nn.Module, specs: Sequence, blocks: torch.Tens
     torch.save(fisher, buf)
     atomic_write_bytes(path, buf.getvalue())
     return fisher
+
+
+def gated_specs(student: nn.Module) -> list:
+    """``[(gguf_name, module_name)]`` (as objects with those attributes) of a student with
+    gates installed: the first module that uses each gate, in gguf_name order."""
+    from types import SimpleNamespace
+
+    from .gates import MixedQuantEmbedding, MixedQuantLinear
+    seen = {}
+    for mod_name, mod in student.named_modules():
+        if isinstance(mod, (MixedQuantLinear, MixedQuantEmbedding)):
+            seen.setdefault(mod.mixed.gguf_name, mod_name)
+    return [SimpleNamespace(gguf_name=n, module_name=m) for n, m in sorted(seen.items())]
+
+
+def prior_from_student(student: nn.Module, teacher: nn.Module, blocks: torch.Tensor,
+                       budget: float, strength: float = 2.0, seed: int = 0,
+                       progress: bool = False) -> dict[str, torch.Tensor]:
+    """The ``"fisher"`` gate prior from a gated student and its teacher (no cache): the
+    teacher's module of the same name as each gated module gives the reference weight and the
+    Fisher diagonal; the student's candidates give ``D``. For library use of
+    :func:`voodoo.train.train_gates`; the CLI uses :func:`voodoo.pipeline.fisher_prior`
+    (cached, candidates straight from the candidate cache).
+
+    Raises ValueError when the teacher lacks a module or its weight's shape differs from the
+    candidates' (e.g. a tensor-parallel shard: pass ``init_logits`` instead)."""
+    from .gates import mixed_weights
+    mws = mixed_weights(student)
+    specs = gated_specs(student)
+    for s in specs:
+        w = _weight(teacher, s.module_name)
+        if tuple(w.shape) != tuple(mws[s.gguf_name].shape):
+            raise ValueError(f"{s.gguf_name}: teacher weight {tuple(w.shape)} but candidates "
+                             f"{tuple(mws[s.gguf_name].shape)} (sharded?); compute the prior "
+                             f"on the full model and pass init_logits")
+    fisher = fisher_diagonal(teacher, specs, blocks, seed=seed, progress=progress)
+    dist = distortion_table(fisher, {n: m.candidates for n, m in mws.items()},
+                            {s.gguf_name: _weight(teacher, s.module_name).detach()
+                             for s in specs})
+    table = {n: [int(b) for b in m.nbytes.tolist()] for n, m in mws.items()}
+    return fisher_gate_logits(dist, table, budget, strength)

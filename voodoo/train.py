@@ -310,17 +310,31 @@ def _load_journal(path: Path) -> dict:
 
 
 def start_gates(mixed, cfg: TrainConfig, budget: float,
-                init_logits: dict[str, torch.Tensor] | None = None, shapes=None) -> None:
-    """Sets the starting logits of a fresh run: ``init_logits`` if given, else
-    :func:`voodoo.gates.init_gates` with ``cfg.gate_init`` (``shapes``: the tensors' full
-    shapes, default the gates' own). Raises ValueError for ``gate_init="fisher"`` without
-    ``init_logits``."""
+                init_logits: dict[str, torch.Tensor] | None = None, shapes=None, *,
+                student: nn.Module | None = None, teacher=None,
+                blocks: torch.Tensor | None = None) -> None:
+    """Sets the starting logits of a fresh run: ``init_logits`` if given; else for
+    ``gate_init="fisher"`` :func:`voodoo.sensitivity.prior_from_student` (needs ``student``,
+    an ``nn.Module`` ``teacher`` and calibration ``blocks``; the first ``cfg.fisher_blocks``
+    are used); else :func:`voodoo.gates.init_gates` with ``cfg.gate_init`` (``shapes``: the
+    tensors' full shapes, default the gates' own).
+
+    Raises ValueError for ``"fisher"`` without ``init_logits`` when the teacher is a plain
+    callable or the student is sharded."""
     if init_logits is not None:
         load_gate_state(mixed, init_logits)
         return
     if cfg.gate_init == "fisher":
-        raise ValueError("gate_init 'fisher' needs init_logits (voodoo.pipeline.fisher_prior "
-                         "computes them from the teacher and the candidates)")
+        if student is None or not isinstance(teacher, nn.Module) or blocks is None:
+            raise ValueError("gate_init 'fisher' needs init_logits, or the student, an "
+                             "nn.Module teacher and calibration blocks (voodoo.pipeline."
+                             "fisher_prior computes init_logits)")
+        from .sensitivity import prior_from_student
+        dev = next(iter(mixed.values())).logits.device
+        logits = prior_from_student(student, teacher, blocks[: cfg.fisher_blocks].to(dev),
+                                    budget, cfg.gate_init_strength, cfg.seed)
+        load_gate_state(mixed, logits)
+        return
     shapes = shapes or {n: m.shape for n, m in mixed.items()}
     init_gates(mixed, cfg.gate_init, budget_bpw(budget, shapes), cfg.gate_init_strength)
 
@@ -413,7 +427,8 @@ def train_gates(student: nn.Module, teacher, train_blocks: torch.Tensor, cfg: Tr
         _set_rng_state(st["rng"])
         step, history = int(st["step"]), list(st["history"])
     else:
-        start_gates(mws, cfg, budget, init_logits)
+        start_gates(mws, cfg, budget, init_logits, student=student, teacher=teacher,
+                    blocks=train_blocks)
         torch.manual_seed(cfg.seed)
         if journal is not None and rank == 0:
             journal.parent.mkdir(parents=True, exist_ok=True)
