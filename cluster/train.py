@@ -333,6 +333,12 @@ def run_loop(config: dict, backend) -> dict:
         shapes, cfg.compression_ratio, cfg.target_bits, cfg.budget_reduction)
     check_reachable(budget, bytes_table, shapes)
 
+    init_logits = config.get("init_logits")
+    if cfg.gate_init == "fisher" and init_logits is None and tp > 1:
+        # the prior needs whole tensors: compute it before sharding (same on every rank)
+        from voodoo.sensitivity import prior_from_student
+        init_logits = prior_from_student(student, teacher, job.train_blocks[: cfg.fisher_blocks],
+                                         budget, cfg.gate_init_strength, cfg.seed)
     if tp > 1:
         from cluster.tp import TPGroup, head_counts, shard_model
         n_head, n_head_kv = job.n_head, job.n_head_kv
@@ -399,7 +405,7 @@ def run_loop(config: dict, backend) -> dict:
             _set_rng_state(rk["rng"])
             step, history = int(st["step"]), list(st["history"])
         else:
-            start_gates(mixed_weights(student), cfg, budget, config.get("init_logits"),
+            start_gates(mixed_weights(student), cfg, budget, init_logits,
                         shapes, student=student, teacher=teacher, blocks=job.train_blocks)
             torch.manual_seed(cfg.seed)
 

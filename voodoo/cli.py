@@ -442,6 +442,7 @@ class Run:
         if cfg.gate_init != "fisher" or (self.out / "train" / JOURNAL_NAME).exists():
             return None
         from .pipeline import fisher_prior
+        teacher.to(cfg.device)  # the Fisher's backward passes run where training will
         with self.timer("fisher"):
             return fisher_prior(self.ctx, teacher, self.menus, self.keys, self.cache,
                                 self.train_blocks[: cfg.fisher_blocks], int(self.budget),
@@ -453,7 +454,8 @@ class Run:
         :meth:`student_factory`; then the same bake and files as the in-process path."""
         a = self.a
         init = None
-        if cfg.gate_init == "fisher":
+        use_gpu = bool(a.use_gpu or str(a.device).startswith("cuda"))
+        if cfg.gate_init == "fisher" and not use_gpu:  # GPU workers compute it on their GPU
             from .pipeline import build_teacher
             init = self.gate_prior(cfg, build_teacher(self.ctx, a.teacher_quant,
                                                       checkpoint=a.teacher_checkpoint))
@@ -461,7 +463,6 @@ class Run:
         nw = a.num_workers
         if nw is None:
             nw = a.tensor_parallel * (a.data_parallel or 1)
-        use_gpu = bool(a.use_gpu or str(a.device).startswith("cuda"))
         if nw > 0:
             import ray
             if not ray.is_initialized():
