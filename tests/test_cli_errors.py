@@ -94,6 +94,19 @@ def test_unreachable_compression_ratio(tiny_fixed, tmp_path):  # noqa: F811
     nothing_written(out)
 
 
+# ---------------------------------------------------------------------- training numbers
+@pytest.mark.parametrize("flag, value", [("--fisher_blocks", "0"), ("--max_steps", "0"),
+                                         ("--lr", "-1"), ("--gate_init_strength", "0")])
+def test_bad_training_numbers_before_any_work(flag, value, tmp_path):
+    """Rejected before the model is loaded (the model path here does not exist)."""
+    out = tmp_path / "out"
+    rc, _, err = run_cli(["train", "--model", str(tmp_path / "model-not-needed"),
+                          "--output_dir", str(out), *SMALL, flag, value])
+    line = error_line(rc, err)
+    assert flag in line and value in line, line
+    nothing_written(out)
+
+
 # ---------------------------------------------------------------------- --tensor_upgrades
 @pytest.mark.parametrize("spec, words", [
     ('[{"pattern": "ffn_down", "levels": 1}', "not valid JSON"),

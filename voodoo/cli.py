@@ -125,6 +125,18 @@ def _ray_flags(ap):
                    help="worker-group restarts, each resuming from the last checkpoint")
 
 
+def _check_train_numbers(a) -> None:
+    """Numbers TrainConfig would reject later, checked before any expensive stage."""
+    for k in ("fisher_blocks", "max_steps", "batch_size", "partial_save_interval"):
+        v = getattr(a, k, None)
+        if v is not None and v < 1:
+            raise UsageError(f"--{k} must be >= 1, got {v}")
+    for k in ("lr", "t_start", "t_end", "gate_init_strength"):
+        v = getattr(a, k, None)
+        if v is not None and not v > 0:
+            raise UsageError(f"--{k} must be > 0, got {v}")
+
+
 def _check_ray_flags(a) -> None:
     """Ray-only flags without --ray fail before any work."""
     if getattr(a, "ray", False):
@@ -640,6 +652,7 @@ def _train(argv, run_all=False):
                         help="llama.cpp file types to compare with")
     a = ap.parse_args(argv)
     _check_ray_flags(a)
+    _check_train_numbers(a)
     from .bake import parse_tensor_upgrades
     rules = parse_tensor_upgrades(a.tensor_upgrades)  # malformed JSON / regex: fail now
     r = Run(a)
@@ -829,6 +842,7 @@ def _tune(argv):
     g.add_argument("--export", action="store_true",
                    help="bake the best trial's gates and write its assignment and GGUF")
     a = ap.parse_args(argv)
+    _check_train_numbers(a)
     for flag, (lo, hi) in (("size_weight_range", a.size_weight_range),
                            ("size_tolerance_range", a.size_tolerance_range),
                            ("lr_range", a.lr_range or (1, 2))):
