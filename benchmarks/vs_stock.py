@@ -37,6 +37,8 @@ BAR = {"Q4_K_M": 0.0387, "Q3_K_M": 0.0933, "IQ4_XS": 0.104, "IQ2_M": 0.328, "IQ2
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "vs_stock"))
+    ap.add_argument("--work", default="/tmp/voodoo-vs-stock",
+                    help="run folders, stock files and data (outside the repository)")
     ap.add_argument("--stock", default=",".join(STOCK))
     ap.add_argument("--chunks", type=int, default=40)
     ap.add_argument("--ctx", type=int, default=512)
@@ -51,7 +53,8 @@ def main() -> int:
     from voodoo.runner import gguf_bpw, stock_file
 
     out = Path(a.out)
-    work = out / "work"
+    out.mkdir(parents=True, exist_ok=True)
+    work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
     model = str(default_model())
     prepared = prepare_model(model)

@@ -407,6 +407,11 @@ def run_loop(config: dict, backend) -> dict:
         else:
             start_gates(mixed_weights(student), cfg, budget, init_logits,
                         shapes, student=student, teacher=teacher, blocks=job.train_blocks)
+            if world > 1 and dist.is_available() and dist.is_initialized():
+                # every rank starts from rank 0's gates (a prior computed per rank on GPUs
+                # may differ in the last bits: CUDA's embedding backward is not deterministic)
+                for p in gate_parameters(student):
+                    dist.broadcast(p.data, src=0)
             torch.manual_seed(cfg.seed)
 
     ckpt_every = int(config.get("checkpoint_every") or cfg.partial_save_interval)

@@ -96,7 +96,8 @@ def test_unreachable_compression_ratio(tiny_fixed, tmp_path):  # noqa: F811
 
 # ---------------------------------------------------------------------- training numbers
 @pytest.mark.parametrize("flag, value", [("--fisher_blocks", "0"), ("--max_steps", "0"),
-                                         ("--lr", "-1"), ("--gate_init_strength", "0")])
+                                         ("--lr", "-1"), ("--gate_init_strength", "0"),
+                                         ("--gate_init_strength", "inf")])
 def test_bad_training_numbers_before_any_work(flag, value, tmp_path):
     """Rejected before the model is loaded (the model path here does not exist)."""
     out = tmp_path / "out"

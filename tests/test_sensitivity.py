@@ -146,3 +146,15 @@ def test_fisher_cache_roundtrip(tmp_path):
     path.write_bytes(b"torn")  # a torn file is recomputed and replaced
     f3 = load_or_compute_fisher(m, SPECS, b, tmp_path, "tiny", progress=False)
     assert all(torch.equal(f1[k], f3[k]) for k in f1)
+
+
+@pytest.mark.parametrize("strength", [0.0, -1.0, float("inf"), float("nan")])
+def test_gate_logits_reject_a_strength_that_is_not_finite_positive(strength):
+    with pytest.raises(ValueError, match="strength"):
+        fisher_gate_logits({"a": [0.0, 1.0]}, {"a": [2, 1]}, 2, strength=strength)
+
+
+def test_bake_rejects_nan_logits():
+    from voodoo.bake import bake
+    with pytest.raises(ValueError, match="NaN"):
+        bake({"a": [float("nan")] * 2}, {"a": ["Q8_0", "Q4_0"]}, {"a": [2, 1]}, 2)

@@ -99,8 +99,8 @@ def bake(gate_logits: Mapping[str, Sequence[float] | torch.Tensor],
         {"budget_bytes": int, "total_bytes": int,
          "tensors": {gguf_name: {"type": str, "bytes": int, "menu": [str], "probs": [float]}}}
 
-    Raises ValueError if the inputs disagree (names, lengths), an upgrade rule is malformed or
-    matches no tensor, or even the smallest type of every tensor exceeds
+    Raises ValueError if the inputs disagree (names, lengths), a logit is NaN, an upgrade rule
+    is malformed or matches no tensor, or even the smallest type of every tensor exceeds
     ``budget * (1 + tolerance)``.
     """
     names = sorted(gate_logits)
@@ -116,6 +116,10 @@ def bake(gate_logits: Mapping[str, Sequence[float] | torch.Tensor],
         if not (len(z) == len(menu[n]) == len(nb[n])) or len(z) == 0:
             raise ValueError(f"{n}: {len(z)} logits, {len(menu[n])} menu types and "
                              f"{len(nb[n])} sizes; they must match and be non-empty")
+        if torch.isnan(z).any():
+            raise ValueError(f"{n}: gate logits contain NaN ({z.tolist()}); the training "
+                             f"diverged -- rerun with a fresh output directory, a smaller "
+                             f"--lr or a finite --gate_init_strength")
         lp[n] = torch.log_softmax(z, 0).tolist()
         probs[n] = torch.softmax(z, 0).tolist()
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -133,8 +134,8 @@ def _check_train_numbers(a) -> None:
             raise UsageError(f"--{k} must be >= 1, got {v}")
     for k in ("lr", "t_start", "t_end", "gate_init_strength"):
         v = getattr(a, k, None)
-        if v is not None and not v > 0:
-            raise UsageError(f"--{k} must be > 0, got {v}")
+        if v is not None and not (v > 0 and math.isfinite(v)):
+            raise UsageError(f"--{k} must be a finite number > 0, got {v}")
 
 
 def _check_ray_flags(a) -> None:
@@ -455,6 +456,10 @@ class Run:
             return None
         from .pipeline import fisher_prior
         teacher.to(cfg.device)  # the Fisher's backward passes run where training will
+        if cfg.fisher_blocks > len(self.train_blocks):
+            print(f"note: --fisher_blocks {cfg.fisher_blocks} but the dataset has "
+                  f"{len(self.train_blocks)} train blocks; the Fisher uses all "
+                  f"{len(self.train_blocks)}", file=sys.stderr)
         with self.timer("fisher"):
             return fisher_prior(self.ctx, teacher, self.menus, self.keys, self.cache,
                                 self.train_blocks[: cfg.fisher_blocks], int(self.budget),

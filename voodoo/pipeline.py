@@ -383,6 +383,8 @@ def fisher_prior(ctx: Context, teacher: torch.nn.Module, menus, keys, cache: Can
     if report_path is not None:
         mu, choice = lagrangian_choice(dist, table, budget)
         rep = {"mu_nats_per_byte": mu, "budget_bytes": int(budget),
+               "fisher_blocks": int(blocks.shape[0]), "tokens_per_block": int(blocks.shape[1]),
+               "strength": strength, "seed": seed,
                "choice_bytes": int(sum(table[n][k] for n, k in choice.items())),
                "predicted_kl": sum(dist[n][k] for n, k in choice.items()),
                "tensors": {n: {"menu": list(menus[n]), "bytes": table[n], "dkl": dist[n],

@@ -154,7 +154,7 @@ def lagrangian_choice(dist: Mapping[str, Sequence[float]], nbytes: Mapping[str, 
     if sum(min(nbytes[n]) for n in names) > budget:
         raise ValueError(f"budget {budget:.0f} bytes is below the smallest types' total")
     dmax = max(max(v) for v in dist.values()) + 1e-30
-    bmin = min(min(b for b in v if b > 0) for v in nbytes.values())
+    bmin = min((b for v in nbytes.values() for b in v if b > 0), default=1)
     lo, hi = 0.0, 1.0
     while pick(hi)[1] > budget:  # grow until it fits
         hi *= 10.0
@@ -176,7 +176,14 @@ def fisher_gate_logits(dist: Mapping[str, Sequence[float]], nbytes: Mapping[str,
 
     ``tau``: the median over tensors (with K >= 2) of the margin between the best and
     second-best ``D + mu * bytes``, divided by ``strength``. Returns gguf_name -> (K,) float32.
+
+    The argmax is the Lagrangian choice, which may leave part of the budget unused (up to about
+    one tensor's step: on a model of a few tensors that can be a large fraction); the bake's
+    repair fills it afterwards, in the same order. Raises ValueError for a strength that is not
+    a finite number > 0.
     """
+    if not (strength > 0 and math.isfinite(strength)):
+        raise ValueError(f"strength must be a finite number > 0, got {strength}")
     mu, _ = lagrangian_choice(dist, nbytes, budget)
     cost = {n: torch.tensor([d + mu * b for d, b in zip(dist[n], nbytes[n])],
                             dtype=torch.float64) for n in dist}

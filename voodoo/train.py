@@ -129,9 +129,10 @@ class TrainConfig:
         for k in ("size_weight", "size_tolerance", "kl_weight"):
             if getattr(self, k) < 0:
                 raise ValueError(f"{k} must be >= 0, got {getattr(self, k)}")
-        for k in ("lr", "t_start", "t_end"):
-            if not getattr(self, k) > 0:
-                raise ValueError(f"{k} must be > 0, got {getattr(self, k)}")
+        for k in ("lr", "t_start", "t_end", "gate_init_strength"):
+            v = getattr(self, k)
+            if not (v > 0 and v < float("inf")):
+                raise ValueError(f"{k} must be a finite number > 0, got {v}")
         for k in ("max_steps", "seq_len", "batch_size", "partial_save_interval"):
             if not (isinstance(getattr(self, k), int) and getattr(self, k) >= 1):
                 raise ValueError(f"{k} must be an integer >= 1, got {getattr(self, k)}")
