@@ -10,7 +10,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from voodoo.sensitivity import (distortion_table, fisher_diagonal, fisher_gate_logits,
-                                lagrangian_choice, load_or_compute_fisher, prior_from_student)
+                                knapsack_choice, lagrangian_choice, load_or_compute_fisher, prior_from_student)
 
 
 def tiny_llama(seed=0):
@@ -97,10 +97,48 @@ def test_lagrangian_choice_is_optimal_for_its_bytes():
                 assert sum(dist[n][k] for n, k in zip(names, combo)) >= cost - 1e-12
 
 
+def _brute_force(dist, nbytes, budget):
+    names = sorted(dist)
+    best = None
+    for combo in itertools.product(*(range(len(dist[n])) for n in names)):
+        b = sum(nbytes[n][k] for n, k in zip(names, combo))
+        d = sum(dist[n][k] for n, k in zip(names, combo))
+        if b <= budget and (best is None or d < best[0]):
+            best = (d, dict(zip(names, combo)))
+    return best
+
+
+def test_knapsack_choice_is_optimal_where_the_hull_is_not():
+    """A big tensor whose cheap-to-take upgrade the Lagrangian cannot fit: the DP pays for it by
+    demoting the small ones, and matches brute force; the Lagrangian is worse."""
+    dist = {"embd": [0.0, 1.0], **{s: [0.0, 0.1, 0.3] for s in ("s1", "s2", "s3")}}
+    nbytes = {"embd": [1000, 500], **{s: [300, 200, 100] for s in ("s1", "s2", "s3")}}
+    budget = 1400  # hull: embd 500 + all small at 100 (D 1.9); best: embd 1000 (D 0.7)
+    d_best, _ = _brute_force(dist, nbytes, budget)
+    ch = knapsack_choice(dist, nbytes, budget)
+    assert sum(nbytes[n][k] for n, k in ch.items()) <= budget
+    assert sum(dist[n][k] for n, k in ch.items()) == pytest.approx(d_best)
+    _, hull = lagrangian_choice(dist, nbytes, budget)
+    assert sum(dist[n][k] for n, k in hull.items()) > d_best + 0.5
+    # random instances: never worse than brute force beyond the stated rounding (here none)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(20):
+        nb = {f"t{i}": sorted(torch.randint(10, 300, (3,), generator=g).tolist(), reverse=True)
+              for i in range(5)}
+        ds = {n: (torch.rand(3, generator=g).cumsum(0) * 2).tolist() for n in nb}
+        budget = int(sum(min(v) for v in nb.values()) + 200)
+        ch = knapsack_choice(ds, nb, budget)
+        assert sum(nb[n][k] for n, k in ch.items()) <= budget
+        assert sum(ds[n][k] for n, k in ch.items()) == pytest.approx(
+            _brute_force(ds, nb, budget)[0])
+
+
 def test_gate_logits_argmax_is_the_knapsack_and_margin_is_strength():
     dist = {"a": [0.0, 0.1, 0.5], "b": [0.0, 0.01, 0.02], "c": [0.0, 1.0, 3.0]}
     nbytes = {"a": [300, 200, 100], "b": [300, 200, 100], "c": [300, 200, 100]}
-    mu, ch = lagrangian_choice(dist, nbytes, 600)
+    ch = knapsack_choice(dist, nbytes, 600)
+    assert sum(dist[n][k] for n, k in ch.items()) == pytest.approx(
+        _brute_force(dist, nbytes, 600)[0])
     z = fisher_gate_logits(dist, nbytes, 600, strength=2.0)
     assert {n: int(torch.argmax(v)) for n, v in z.items()} == ch
     margins = sorted(float(torch.sort(v, descending=True).values[0] -

@@ -361,11 +361,12 @@ def fisher_prior(ctx: Context, teacher: torch.nn.Module, menus, keys, cache: Can
     ``~/.cache/voodoo/fisher``, keyed by the teacher's weights, the tokens and ``seed``). Each
     candidate's predicted KL ``D[t, k]`` (nats/token) uses the candidates exactly as llama.cpp
     dequantizes them (from ``cache``) against the teacher's weights. ``report_path``: where to
-    write ``{"mu", "predicted_kl", "tensors": {name: {"menu", "bytes", "dkl", "choice"}}}``
+    write ``{"mu_nats_per_byte", "choice_bytes", "predicted_kl", "lagrangian_bytes",
+    "lagrangian_predicted_kl", "tensors": {name: {"menu", "bytes", "dkl", "choice"}}, ...}``
     (JSON, atomic). Returns gguf_name -> (K,) float32 logits, menu order."""
     from .llamacpp import cache_root
-    from .sensitivity import (distortion_table, fisher_gate_logits, lagrangian_choice,
-                              load_or_compute_fisher)
+    from .sensitivity import (distortion_table, fisher_gate_logits, knapsack_choice,
+                              lagrangian_choice, load_or_compute_fisher)
     root = Path(fisher_cache_dir) if fisher_cache_dir else cache_root() / "fisher"
     fisher = load_or_compute_fisher(teacher, ctx.specs, blocks, root,
                                     _weights_fingerprint(teacher, ctx.specs), seed=seed,
@@ -381,12 +382,15 @@ def fisher_prior(ctx: Context, teacher: torch.nn.Module, menus, keys, cache: Can
                                      {s.gguf_name: ref}))
     logits = fisher_gate_logits(dist, table, budget, strength)
     if report_path is not None:
-        mu, choice = lagrangian_choice(dist, table, budget)
+        mu, hull = lagrangian_choice(dist, table, budget)
+        choice = knapsack_choice(dist, table, budget)
         rep = {"mu_nats_per_byte": mu, "budget_bytes": int(budget),
                "fisher_blocks": int(blocks.shape[0]), "tokens_per_block": int(blocks.shape[1]),
                "strength": strength, "seed": seed,
                "choice_bytes": int(sum(table[n][k] for n, k in choice.items())),
                "predicted_kl": sum(dist[n][k] for n, k in choice.items()),
+               "lagrangian_bytes": int(sum(table[n][k] for n, k in hull.items())),
+               "lagrangian_predicted_kl": sum(dist[n][k] for n, k in hull.items()),
                "tensors": {n: {"menu": list(menus[n]), "bytes": table[n], "dkl": dist[n],
                                "choice": menus[n][choice[n]]} for n in sorted(dist)}}
         write_json(report_path, rep)

@@ -39,7 +39,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-__all__ = ["fisher_diagonal", "distortion_table", "lagrangian_choice", "fisher_gate_logits",
+__all__ = ["fisher_diagonal", "distortion_table", "lagrangian_choice", "knapsack_choice",
+           "fisher_gate_logits",
            "load_or_compute_fisher", "gated_specs", "prior_from_student", "FISHER_VERSION"]
 
 FISHER_VERSION = 1
@@ -170,6 +171,60 @@ def lagrangian_choice(dist: Mapping[str, Sequence[float]], nbytes: Mapping[str, 
     return hi, pick(hi)[0]
 
 
+def knapsack_choice(dist: Mapping[str, Sequence[float]], nbytes: Mapping[str, Sequence[int]],
+                    budget: float, resolution: int = 200_000) -> dict[str, int]:
+    """Solves ``min sum_t D[t, k_t]`` s.t. ``sum_t bytes[t, k_t] <= budget`` by dynamic
+    programming over bytes (the multiple-choice knapsack), not just on the convex hull.
+
+    The Lagrangian (:func:`lagrangian_choice`) cannot take a large step it has no room for, such
+    as a big tied embedding's next rung, and so can leave several percent of the budget unused;
+    the DP can pay for that step by demoting smaller tensors. Sizes are counted in units of
+    ``ceil(budget / resolution)`` bytes, each tensor's size rounded *up*, so the result never
+    exceeds ``budget``; it is optimal up to that rounding (at most one unit per tensor, i.e.
+    ``n_tensors / resolution`` of the budget), and the Lagrangian's choice is returned instead
+    when the rounding made the DP's worse. Memory: ``n_tensors * resolution`` int8.
+
+    Returns {gguf_name: k}. Raises ValueError if even the smallest types exceed ``budget``."""
+    import numpy as np
+    names = sorted(dist)
+    if sum(min(nbytes[n]) for n in names) > budget:
+        raise ValueError(f"budget {budget:.0f} bytes is below the smallest types' total")
+    unit = max(1, math.ceil(budget / resolution))
+    cap = int(budget // unit)
+    inf = float("inf")
+    best = np.full(cap + 1, inf)
+    best[0] = 0.0
+    picks = np.zeros((len(names), cap + 1), dtype=np.int8)
+    for i, n in enumerate(names):
+        new = np.full(cap + 1, inf)
+        arg = np.zeros(cap + 1, dtype=np.int8)
+        for k, (d, b) in enumerate(zip(dist[n], nbytes[n])):
+            w = -(-int(b) // unit)
+            if w > cap:
+                continue
+            cand = np.full(cap + 1, inf)
+            cand[w:] = best[: cap + 1 - w] + d
+            better = cand < new
+            new[better] = cand[better]
+            arg[better] = k
+        best, picks[i] = new, arg
+    end = int(np.argmin(best))
+    if not np.isfinite(best[end]):
+        raise ValueError(f"budget {budget:.0f} bytes cannot be met after rounding to "
+                         f"{unit}-byte units; raise resolution")
+    out = {}
+    for i in range(len(names) - 1, -1, -1):
+        n = names[i]
+        k = int(picks[i, end])
+        out[n] = k
+        end -= -(-int(nbytes[n][k]) // unit)
+    # the rounding can cost the DP a little where the hull already fits well: keep the better
+    _, hull = lagrangian_choice(dist, nbytes, budget)
+    if sum(dist[n][hull[n]] for n in names) < sum(dist[n][out[n]] for n in names):
+        return hull
+    return out
+
+
 def fisher_gate_logits(dist: Mapping[str, Sequence[float]], nbytes: Mapping[str, Sequence[int]],
                        budget: float, strength: float = 2.0) -> dict[str, torch.Tensor]:
     """Gate logits ``z[t, k] = -(D[t, k] + mu * bytes[t, k]) / tau`` (module docstring).
@@ -177,14 +232,15 @@ def fisher_gate_logits(dist: Mapping[str, Sequence[float]], nbytes: Mapping[str,
     ``tau``: the median over tensors (with K >= 2) of the margin between the best and
     second-best ``D + mu * bytes``, divided by ``strength``. Returns gguf_name -> (K,) float32.
 
-    The argmax is the Lagrangian choice, which may leave part of the budget unused (up to about
-    one tensor's step: on a model of a few tensors that can be a large fraction); the bake's
-    repair fills it afterwards, in the same order. Raises ValueError for a strength that is not
-    a finite number > 0.
+    The argmax is the exact knapsack's choice (:func:`knapsack_choice`): where it differs from
+    the Lagrangian's (which can leave a big tensor's step unused), the knapsack's type gets a
+    logit half a unit above the tensor's best Lagrangian cost. Raises ValueError for a strength
+    that is not a finite number > 0.
     """
     if not (strength > 0 and math.isfinite(strength)):
         raise ValueError(f"strength must be a finite number > 0, got {strength}")
     mu, _ = lagrangian_choice(dist, nbytes, budget)
+    choice = knapsack_choice(dist, nbytes, budget)
     cost = {n: torch.tensor([d + mu * b for d, b in zip(dist[n], nbytes[n])],
                             dtype=torch.float64) for n in dist}
     margins = []
@@ -194,7 +250,14 @@ def fisher_gate_logits(dist: Mapping[str, Sequence[float]], nbytes: Mapping[str,
             margins.append(float(s[1] - s[0]))
     margins = [m for m in margins if m > 0]
     tau = (sorted(margins)[len(margins) // 2] / strength) if margins else 1.0
-    return {n: (-(c - c.min()) / tau).float() for n, c in cost.items()}
+    out = {}
+    for n, c in cost.items():
+        z = -(c - c.min()) / tau
+        k = choice[n]
+        if int(torch.argmax(z)) != k:  # the DP pays for a step the Lagrangian cannot take:
+            z[k] = z.max() + 0.5        # its choice leads, by half a logit
+        out[n] = z.float()
+    return out
 
 
 def _fisher_key(model_id: str, blocks: torch.Tensor, seed: int, reference_tag: str) -> str:
