@@ -9,11 +9,16 @@ Three steps, all deterministic:
    applied in order, each to the result of the previous one. The rung a rule leaves a tensor on
    becomes a *guardrail*: an upgraded tensor is not moved below it, a downgraded one not above
    it, by the repair step -- unless the budget cannot be met otherwise.
-3. **repair** to the budget: while the total is above ``budget * (1 + tolerance)``, take the
-   move down some tensor's menu with the smallest drop in gate log-probability per byte saved;
-   then, while below ``budget * (1 - tolerance)``, the move up with the largest gain (least
-   loss) in log-probability per byte spent that keeps the total at or under
-   ``budget * (1 + tolerance)``. Log-probabilities are ``log_softmax(logits / temperature)``.
+3. **repair** to the budget, when the argmax total is outside ``budget * (1 -/+ tolerance)``:
+   the assignment of largest total gate log-probability whose total lies inside that window,
+   found exactly by dynamic programming over bytes (a multiple-choice knapsack; sizes in units
+   of about budget/200,000 bytes, rounded so the true total stays inside), first within the
+   guardrails, then without them. A greedy repair remains as the fallback for windows too
+   narrow for that resolution: while over, the move down with the smallest drop in
+   log-probability per byte saved; while under, the move up with the least loss per byte spent
+   that stays under the upper end. Log-probabilities are ``log_softmax(logits / temperature)``.
+   (The greedy alone, ranking per byte, demoted the largest tensor first whenever its logits
+   were close, even when the trained gates clearly preferred keeping it.)
 
 Stated tolerance: the total never exceeds ``budget * (1 + tolerance)`` (default 0.5%), and
 lands at or above ``budget * (1 - tolerance)`` whenever the menus' granularity allows (with
@@ -77,6 +82,53 @@ def parse_tensor_upgrades(spec) -> list[tuple[re.Pattern, int]]:
 
 def _type_name(t) -> str:
     return getattr(t, "name", t)
+
+
+def _exact_repair(names, lp, nb, lo, hi, lower, upper, resolution: int = 200_000):
+    """Multiple-choice knapsack by dynamic programming over bytes: the types (index range
+    ``lo[n]..hi[n]`` per tensor) of largest total log-probability whose total bytes lie in
+    ``[lower, upper]``. Sizes are counted in units of ``ceil(upper / resolution)`` bytes,
+    rounded up, and the lower end is raised by one unit per tensor when units are coarser than
+    a byte, so the true total always lands inside the window. Returns {name: index} or None
+    when no such assignment exists at this resolution (the caller falls back to the greedy
+    repair)."""
+    import math
+
+    import numpy as np
+    unit = max(1, math.ceil(upper / resolution))
+    cap = int(upper // unit)
+    slack = len(names) if unit > 1 else 0
+    u_min = math.ceil(lower / unit) + slack
+    if u_min > cap:
+        return None
+    inf = float("inf")
+    best = np.full(cap + 1, inf)
+    best[0] = 0.0
+    picks = np.full((len(names), cap + 1), -1, dtype=np.int16)
+    for i, n in enumerate(names):
+        new = np.full(cap + 1, inf)
+        arg = np.full(cap + 1, -1, dtype=np.int16)
+        for k in range(lo[n], hi[n] + 1):
+            w = -(-nb[n][k] // unit)
+            if w > cap:
+                continue
+            cand = np.full(cap + 1, inf)
+            cand[w:] = best[: cap + 1 - w] - lp[n][k]
+            better = cand < new
+            new[better] = cand[better]
+            arg[better] = k
+        best, picks[i] = new, arg
+    window = best[u_min:]
+    if not np.isfinite(window).any():
+        return None
+    end = u_min + int(np.argmin(window))
+    out = {}
+    for i in range(len(names) - 1, -1, -1):
+        k = int(picks[i, end])
+        out[names[i]] = k
+        end -= -(-nb[names[i]][k] // unit)
+    total = sum(nb[n][out[n]] for n in names)
+    return out if lower <= total <= upper else None
 
 
 def bake(gate_logits: Mapping[str, Sequence[float] | torch.Tensor],
@@ -162,7 +214,16 @@ def bake(gate_logits: Mapping[str, Sequence[float] | torch.Tensor],
             if spent > 0:
                 yield (-(lp[n][j] - lp[n][c]) / spent, n, j, c)
 
-    for hi_ in (hi, full_hi):  # guardrails first; dropped only if the budget needs it
+    if not lower <= total <= upper:
+        # exact: the assignment of most total log-probability inside [lower, upper]
+        for lo_, hi_ in ((lo, hi), (full_lo, full_hi)):
+            got = _exact_repair(names, lp, nb, lo_, hi_, lower, upper)
+            if got is not None:
+                cur = got
+                total = sum(nb[n][cur[n]] for n in names)
+                break
+
+    for hi_ in (hi, full_hi):  # greedy fallback; guardrails first, dropped only if needed
         if total <= upper:
             break
         heap = [m for n in names for m in moves_down(n, hi_)]
