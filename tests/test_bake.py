@@ -123,3 +123,47 @@ def test_unreachable_and_mismatched_inputs():
     del menus["token_embd.weight"]
     with pytest.raises(ValueError, match="same tensors"):
         bake(logits, menus, nbytes, lo)
+
+
+def test_repair_is_the_most_probable_assignment_in_the_window():
+    """Over or under the window, the repair returns the assignment of largest total gate
+    log-probability whose total lies in [budget*(1-tol), budget*(1+tol)] (brute force over
+    3^6 assignments, random instances)."""
+    import itertools
+    g = torch.Generator().manual_seed(7)
+    types = ["Q8_0", "Q5_0", "Q4_0"]
+    for trial in range(25):
+        names = [f"t{i}" for i in range(6)]
+        nb = {n: sorted(torch.randint(50, 2000, (3,), generator=g).tolist(), reverse=True)
+              for n in names}
+        logits = {n: torch.randn(3, generator=g) * 3 for n in names}
+        lo_b = sum(min(v) for v in nb.values())
+        hi_b = sum(max(v) for v in nb.values())
+        budget = int(lo_b + (0.1 + 0.8 * torch.rand(1, generator=g).item()) * (hi_b - lo_b))
+        tol = 0.05
+        a = bake(logits, {n: types for n in names}, nb, budget, tolerance=tol)
+        lp = {n: torch.log_softmax(logits[n].double(), 0).tolist() for n in names}
+        best = None
+        for combo in itertools.product(range(3), repeat=6):
+            t = sum(nb[n][k] for n, k in zip(names, combo))
+            if budget * (1 - tol) <= t <= budget * (1 + tol):
+                v = sum(lp[n][k] for n, k in zip(names, combo))
+                best = v if best is None else max(best, v)
+        if best is None:
+            continue  # no assignment fits this window: the greedy fallback's business
+        got = sum(lp[n][types.index(a["tensors"][n]["type"])] for n in names)
+        assert budget * (1 - tol) <= a["total_bytes"] <= budget * (1 + tol)
+        assert got == pytest.approx(best, abs=1e-9), trial
+
+
+def test_repair_keeps_a_big_tensor_the_gates_prefer():
+    """The per-byte greedy would demote the big tensor first (its logit gap is small per byte)
+    and land under the window; the exact repair keeps it and demotes one small tensor."""
+    menus = {n: ["Q8_0", "Q4_0"] for n in ("big", "s1", "s2", "s3")}
+    nbytes = {"big": [1000, 700], **{s: [100, 50] for s in ("s1", "s2", "s3")}}
+    logits = {"big": torch.tensor([1.0, 0.0]),
+              **{s: torch.tensor([5.0 + i, 0.0]) for i, s in enumerate(("s1", "s2", "s3"))}}
+    a = bake(logits, menus, nbytes, 1200, tolerance=0.05)
+    assert a["tensors"]["big"]["type"] == "Q8_0"
+    assert [a["tensors"][s]["type"] for s in ("s1", "s2", "s3")] == ["Q4_0", "Q8_0", "Q8_0"]
+    assert a["total_bytes"] == 1250
