@@ -11,14 +11,17 @@ costs about::
 
 and the whole assignment costs ``sum_t D[t, k_t]``. Minimising that under the byte budget is a
 multiple-choice knapsack; its Lagrangian ``min_k D[t, k] + mu * bytes[t, k]`` with ``mu`` found
-by bisection solves it on the lower convex hull, which with hundreds of tensors is within one
-tensor's step of the exact optimum (Everett, 1963; used for mixed precision by HAWQ-V2/V3).
+by bisection solves it on the lower convex hull (Everett, 1963; used for mixed precision by
+HAWQ-V2/V3), but can leave up to one tensor's step of the budget unused -- a whole tied
+embedding's rung on a small model -- so the choice comes from an exact dynamic program over
+bytes (:func:`knapsack_choice`), the hull's answer being kept only where it is better.
 
-The gate prior puts each gate's logits at ``z[t, k] = -(D[t, k] + mu * bytes[t, k]) / tau``: the
-argmax is the knapsack's choice, and ``tau`` makes the median tensor's margin between its best
+The gate prior puts each gate's logits at ``z[t, k] = -(D[t, k] + mu * bytes[t, k]) / tau``,
+lifting the DP's type half a logit above the best where the two differ: the argmax is the
+knapsack's choice, and ``tau`` makes the median tensor's margin between its best
 and second-best type ``strength`` (so clear choices start sharp and near-ties start soft). Gate
 training then corrects what the diagonal, one-tensor-at-a-time model misses, and the bake's
-repair (which ranks moves by logit drop per byte) continues the same Lagrangian ordering.
+repair (the most probable assignment inside the size window) works on the same logits.
 
 F is estimated as llama.cpp's imatrix is -- from calibration text only -- by the squared
 gradient of ``sum_positions log p(y)`` with the labels ``y`` *sampled from the model's own
