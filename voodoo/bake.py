@@ -35,6 +35,8 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from .budget import min_cost_assignment
+
 __all__ = ["bake", "parse_tensor_upgrades", "DEFAULT_TOLERANCE"]
 
 DEFAULT_TOLERANCE = 0.005
@@ -82,53 +84,6 @@ def parse_tensor_upgrades(spec) -> list[tuple[re.Pattern, int]]:
 
 def _type_name(t) -> str:
     return getattr(t, "name", t)
-
-
-def _exact_repair(names, lp, nb, lo, hi, lower, upper, resolution: int = 200_000):
-    """Multiple-choice knapsack by dynamic programming over bytes: the types (index range
-    ``lo[n]..hi[n]`` per tensor) of largest total log-probability whose total bytes lie in
-    ``[lower, upper]``. Sizes are counted in units of ``ceil(upper / resolution)`` bytes,
-    rounded up, and the lower end is raised by one unit per tensor when units are coarser than
-    a byte, so the true total always lands inside the window. Returns {name: index} or None
-    when no such assignment exists at this resolution (the caller falls back to the greedy
-    repair)."""
-    import math
-
-    import numpy as np
-    unit = max(1, math.ceil(upper / resolution))
-    cap = int(upper // unit)
-    slack = len(names) if unit > 1 else 0
-    u_min = math.ceil(lower / unit) + slack
-    if u_min > cap:
-        return None
-    inf = float("inf")
-    best = np.full(cap + 1, inf)
-    best[0] = 0.0
-    picks = np.full((len(names), cap + 1), -1, dtype=np.int16)
-    for i, n in enumerate(names):
-        new = np.full(cap + 1, inf)
-        arg = np.full(cap + 1, -1, dtype=np.int16)
-        for k in range(lo[n], hi[n] + 1):
-            w = -(-nb[n][k] // unit)
-            if w > cap:
-                continue
-            cand = np.full(cap + 1, inf)
-            cand[w:] = best[: cap + 1 - w] - lp[n][k]
-            better = cand < new
-            new[better] = cand[better]
-            arg[better] = k
-        best, picks[i] = new, arg
-    window = best[u_min:]
-    if not np.isfinite(window).any():
-        return None
-    end = u_min + int(np.argmin(window))
-    out = {}
-    for i in range(len(names) - 1, -1, -1):
-        k = int(picks[i, end])
-        out[names[i]] = k
-        end -= -(-nb[names[i]][k] // unit)
-    total = sum(nb[n][out[n]] for n in names)
-    return out if lower <= total <= upper else None
 
 
 def bake(gate_logits: Mapping[str, Sequence[float] | torch.Tensor],
@@ -217,7 +172,8 @@ def bake(gate_logits: Mapping[str, Sequence[float] | torch.Tensor],
     if not lower <= total <= upper:
         # exact: the assignment of most total log-probability inside [lower, upper]
         for lo_, hi_ in ((lo, hi), (full_lo, full_hi)):
-            got = _exact_repair(names, lp, nb, lo_, hi_, lower, upper)
+            got = min_cost_assignment({n: [-v for v in lp[n]] for n in names}, nb, lower,
+                                      upper, {n: (lo_[n], hi_[n]) for n in names})
             if got is not None:
                 cur = got
                 total = sum(nb[n][cur[n]] for n in names)

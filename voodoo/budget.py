@@ -23,7 +23,7 @@ from voodoo.quants import tensor_nbytes
 
 __all__ = [
     "shapes_of", "q8_0_bytes", "n_weights", "budget_bytes", "budget_bpw", "reachable_range",
-    "check_reachable", "size_penalty",
+    "check_reachable", "size_penalty", "min_cost_assignment",
 ]
 
 Shapes = Mapping[str, Sequence[int]]
@@ -117,3 +117,60 @@ def size_penalty(size, budget: float, tolerance: float, weight: float):
     if isinstance(r, torch.Tensor):
         return weight * torch.clamp(r.abs() - tolerance, min=0.0) ** 2
     return weight * max(abs(r) - tolerance, 0.0) ** 2
+
+
+def min_cost_assignment(cost: Mapping[str, Sequence[float]], nbytes: Mapping[str, Sequence[int]],
+                        lower: float, upper: float,
+                        allowed: Mapping[str, tuple[int, int]] | None = None,
+                        resolution: int = 200_000) -> dict[str, int] | None:
+    """The multiple-choice knapsack, solved by dynamic programming over bytes: one index per
+    tensor minimising ``sum_t cost[t][k_t]`` with ``lower <= sum_t nbytes[t][k_t] <= upper``.
+
+    Args:
+        cost: name -> K floats (any sign). nbytes: name -> K sizes in bytes.
+        allowed: name -> (first, last) index range to choose from (default: all).
+        resolution: sizes are counted in units of ``ceil(upper / resolution)`` bytes, rounded
+            up, so the true total never exceeds ``upper``; when a unit is more than a byte the
+            lower end is raised by one unit per tensor so the true total never falls below
+            ``lower`` either. Optimal up to that rounding (``n_tensors / resolution`` of the
+            budget at most). Memory ``n_tensors * resolution`` int16, time about 1 s for 200
+            tensors of K <= 10.
+
+    Returns {name: index}, or None when nothing fits the window at this resolution."""
+    import math
+
+    import numpy as np
+    names = sorted(cost)
+    unit = max(1, math.ceil(upper / resolution))
+    cap = int(upper // unit)
+    u_min = max(0, math.ceil(lower / unit) + (len(names) if unit > 1 else 0))
+    if u_min > cap:
+        return None
+    best = np.full(cap + 1, np.inf)
+    best[0] = 0.0
+    picks = np.full((len(names), cap + 1), -1, dtype=np.int16)
+    for i, n in enumerate(names):
+        first, last = allowed[n] if allowed is not None else (0, len(cost[n]) - 1)
+        new = np.full(cap + 1, np.inf)
+        arg = np.full(cap + 1, -1, dtype=np.int16)
+        for k in range(first, last + 1):
+            w = -(-int(nbytes[n][k]) // unit)
+            if w > cap:
+                continue
+            cand = np.full(cap + 1, np.inf)
+            cand[w:] = best[: cap + 1 - w] + float(cost[n][k])
+            better = cand < new
+            new[better] = cand[better]
+            arg[better] = k
+        best, picks[i] = new, arg
+    window = best[u_min:]
+    if not np.isfinite(window).any():
+        return None
+    end = u_min + int(np.argmin(window))
+    out = {}
+    for i in range(len(names) - 1, -1, -1):
+        k = int(picks[i, end])
+        out[names[i]] = k
+        end -= -(-int(nbytes[names[i]][k]) // unit)
+    total = sum(int(nbytes[n][out[n]]) for n in names)
+    return out if lower <= total <= upper else None

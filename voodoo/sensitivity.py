@@ -185,42 +185,17 @@ def knapsack_choice(dist: Mapping[str, Sequence[float]], nbytes: Mapping[str, Se
     ``ceil(budget / resolution)`` bytes, each tensor's size rounded *up*, so the result never
     exceeds ``budget``; it is optimal up to that rounding (at most one unit per tensor, i.e.
     ``n_tensors / resolution`` of the budget), and the Lagrangian's choice is returned instead
-    when the rounding made the DP's worse. Memory: ``n_tensors * resolution`` int8.
+    when the rounding made the DP's worse (:func:`voodoo.budget.min_cost_assignment`).
 
     Returns {gguf_name: k}. Raises ValueError if even the smallest types exceed ``budget``."""
-    import numpy as np
+    from .budget import min_cost_assignment
     names = sorted(dist)
     if sum(min(nbytes[n]) for n in names) > budget:
         raise ValueError(f"budget {budget:.0f} bytes is below the smallest types' total")
-    unit = max(1, math.ceil(budget / resolution))
-    cap = int(budget // unit)
-    inf = float("inf")
-    best = np.full(cap + 1, inf)
-    best[0] = 0.0
-    picks = np.zeros((len(names), cap + 1), dtype=np.int8)
-    for i, n in enumerate(names):
-        new = np.full(cap + 1, inf)
-        arg = np.zeros(cap + 1, dtype=np.int8)
-        for k, (d, b) in enumerate(zip(dist[n], nbytes[n])):
-            w = -(-int(b) // unit)
-            if w > cap:
-                continue
-            cand = np.full(cap + 1, inf)
-            cand[w:] = best[: cap + 1 - w] + d
-            better = cand < new
-            new[better] = cand[better]
-            arg[better] = k
-        best, picks[i] = new, arg
-    end = int(np.argmin(best))
-    if not np.isfinite(best[end]):
-        raise ValueError(f"budget {budget:.0f} bytes cannot be met after rounding to "
-                         f"{unit}-byte units; raise resolution")
-    out = {}
-    for i in range(len(names) - 1, -1, -1):
-        n = names[i]
-        k = int(picks[i, end])
-        out[n] = k
-        end -= -(-int(nbytes[n][k]) // unit)
+    out = min_cost_assignment(dist, nbytes, 0, budget, resolution=resolution)
+    if out is None:
+        raise ValueError(f"budget {budget:.0f} bytes cannot be met after rounding sizes to "
+                         f"units of budget/{resolution}; raise resolution")
     # the rounding can cost the DP a little where the hull already fits well: keep the better
     _, hull = lagrangian_choice(dist, nbytes, budget)
     if sum(dist[n][hull[n]] for n in names) < sum(dist[n][out[n]] for n in names):
