@@ -365,8 +365,8 @@ def fisher_prior(ctx: Context, teacher: torch.nn.Module, menus, keys, cache: Can
     "lagrangian_predicted_kl", "tensors": {name: {"menu", "bytes", "dkl", "choice"}}, ...}``
     (JSON, atomic). Returns gguf_name -> (K,) float32 logits, menu order."""
     from .llamacpp import cache_root
-    from .sensitivity import (distortion_table, fisher_gate_logits, knapsack_choice,
-                              lagrangian_choice, load_or_compute_fisher)
+    from .sensitivity import (distortion_table, fisher_gate_logits, lagrangian_choice,
+                              load_or_compute_fisher)
     root = Path(fisher_cache_dir) if fisher_cache_dir else cache_root() / "fisher"
     fisher = load_or_compute_fisher(teacher, ctx.specs, blocks, root,
                                     _weights_fingerprint(teacher, ctx.specs), seed=seed,
@@ -383,7 +383,7 @@ def fisher_prior(ctx: Context, teacher: torch.nn.Module, menus, keys, cache: Can
     logits = fisher_gate_logits(dist, table, budget, strength)
     if report_path is not None:
         mu, hull = lagrangian_choice(dist, table, budget)
-        choice = knapsack_choice(dist, table, budget)
+        choice = {n: int(torch.argmax(z)) for n, z in logits.items()}  # = knapsack_choice
         rep = {"mu_nats_per_byte": mu, "budget_bytes": int(budget),
                "fisher_blocks": int(blocks.shape[0]), "tokens_per_block": int(blocks.shape[1]),
                "strength": strength, "seed": seed,
