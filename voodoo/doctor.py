@@ -4,6 +4,10 @@ Prints Python, torch, CUDA/ROCm and the GPUs seen, Ray (and the cluster's resour
 connected), the libggml path and llama.cpp commit, which llama.cpp tools are built, the cache
 folders, the vendor environment defaults for multi-GPU runs, and quantizes a small tensor to
 every type, comparing the dequantized values with ``gguf.quants.dequantize`` bit for bit.
+With ``--model M``, also where that model's files are: the HF folder, the base F32 GGUF (what
+candidates are quantized from, and what the ``--tensor-type-file`` recipe feeds
+``llama-quantize``), the reference GGUF (what KLD is measured against) and the
+``voodoo.model`` value its GGUFs record.
 Exit status 0 when everything needed is there, 1 otherwise (each problem says what to do).
 """
 
@@ -60,7 +64,24 @@ def self_check() -> list[str]:
     return bad
 
 
-def run(out=sys.stdout) -> int:
+def model_paths(model_arg: str, out=sys.stdout) -> None:
+    """Prints where a model's files are (prepares it first: converting an HF folder or a GGUF
+    takes a while the first time)."""
+    from .export import record_model
+    from .models import prepare_model
+    p = prepare_model(model_arg)
+    print(f"\nmodel {p.name} ({p.source} input)", file=out)
+    for k, v in (("HF folder", p.hf_dir), ("base F32 GGUF", p.base_gguf),
+                 ("reference GGUF", p.reference_gguf), ("voodoo.model", record_model(p))):
+        print(f"  {k:<22} {v}", file=out)
+    print("  recipe                 llama-quantize --imatrix <run>/imatrix.gguf "
+          f"--tensor-type-file <run>/<stem>.tensor-types.txt {p.base_gguf} out.gguf Q8_0",
+          file=out)
+
+
+def run(out=sys.stdout, model: str | None = None) -> int:
+    """Prints the report (to ``out``); ``model``: also :func:`model_paths`. Returns the exit
+    status (0: all good, 1: problems listed)."""
     problems: list[str] = []
 
     def line(k, v):
@@ -110,10 +131,13 @@ def run(out=sys.stdout) -> int:
         cython_ggml = None
     tools = llamacpp.tools_status()
     for t, p in tools.items():
-        line(t, p or "MISSING")
-    if not all(tools.values()):
-        problems.append("llama.cpp tools are missing: run `voodoo bootstrap` (about 15 min on 2 "
-                        "cores, once) or set VOODOO_LLAMA_CPP=/path/to/llama.cpp/build")
+        role = "chat/serve" if t in llamacpp.CHAT_TOOLS else "pipeline"
+        line(t, f"{p} ({role})" if p else f"MISSING ({role})")
+    missing = [t for t, p in tools.items() if not p]
+    if missing:
+        problems.append(f"llama.cpp tools missing ({', '.join(missing)}): run `voodoo "
+                        "bootstrap` (builds only what is missing; about 3 min per group on 2 "
+                        "cores) or set VOODOO_LLAMA_CPP=/path/to/llama.cpp/build")
     for k, v in vendor_env().items():
         line(f"env {k}", f"{os.environ.get(k, '(unset)')} (voodoo tp sets {v})")
     if cython_ggml is not None:
@@ -127,6 +151,11 @@ def run(out=sys.stdout) -> int:
         else:
             line("self-check", f"OK: {len(SELF_CHECK_TYPES)} types quantized by libggml, "
                                "dequantized bit-exactly as gguf.quants")
+    if model:
+        try:
+            model_paths(model, out)
+        except (ValueError, OSError, RuntimeError) as e:
+            problems.append(f"--model {model}: {e}")
     if problems:
         print("\nproblems:", file=out)
         for p in problems:

@@ -28,7 +28,8 @@ from .fsutil import atomic_write_text, sha256_file
 from voodoo.llamacpp import LlamaCppNotBuilt, cache_root, llama_cpp_commit, tool_path
 
 __all__ = ["torch_ppl_kl", "run_perplexity", "kld_base", "parse_perplexity_output",
-           "format_table", "save_report", "PerplexityError", "LlamaCppNotBuilt"]
+           "format_table", "save_report", "PerplexityError", "LlamaCppNotBuilt",
+           "assignment_grid", "plot_assignment", "plot_size_vs_kld"]
 
 
 class PerplexityError(RuntimeError):
@@ -173,27 +174,82 @@ def _sha256_file(path: Path) -> str:
 _NO_REPACK = os.environ.get("VOODOO_LLAMA_NO_REPACK", "") not in ("", "0")
 
 
-def _run_tool(args: list[str], timeout: float | None) -> str:
-    """Runs a llama.cpp tool; returns stdout+stderr. Retries once with ``--no-repack`` when the
-    tool dies of SIGILL (see ``_NO_REPACK``). Raises PerplexityError on failure."""
+_TOTAL = re.compile(r"(?:calculating perplexity|computing) over (\d+) chunks")
+_PPL_CHUNK = re.compile(r"\[(\d+)\]-?[\d.]+(?:e[-+]?\d+)?,|\[(\d+)\](?:-?nan|-?inf),")
+_KL_CHUNK = re.compile(r"^\s*(\d+)\s{4}", re.MULTILINE)
+
+
+def _chunks_done(text: str) -> int:
+    """Chunks llama-perplexity has finished so far, from its running output: the ``[i]ppl,``
+    entries of perplexity mode or the per-chunk rows after KL mode's ``chunk  PPL`` header."""
+    done = 0
+    for m in _PPL_CHUNK.finditer(text):
+        done = max(done, int(m.group(1) or m.group(2)))
+    i = text.find("chunk             PPL")
+    if i >= 0:
+        for m in _KL_CHUNK.finditer(text, i):
+            done = max(done, int(m.group(1)))
+    return done
+
+
+def _run_tool(args: list[str], timeout: float | None, desc: str | None = None) -> str:
+    """Runs a llama.cpp tool; returns stdout+stderr. With ``desc``, shows llama-perplexity's
+    progress over its chunks (:class:`voodoo.progress.Progress`: a bar on a terminal, a line
+    per 10%% otherwise). Retries once with ``--no-repack`` when the tool dies of SIGILL (see
+    ``_NO_REPACK``). Raises PerplexityError on failure or after ``timeout`` seconds."""
     global _NO_REPACK
+    import threading
+
+    from .progress import Progress
     if _NO_REPACK and "--no-repack" not in args:
         args = [*args, "--no-repack"]
+    p = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    parts: list[str] = []
+    state = {"bar": None}
+
+    def pump():
+        buf = b""
+        while True:
+            chunk = p.stdout.read1(1 << 16) if hasattr(p.stdout, "read1") else \
+                p.stdout.read(1 << 16)
+            if not chunk:
+                break
+            buf += chunk
+            text = buf.decode(errors="replace")
+            if desc is None:
+                continue
+            if state["bar"] is None:
+                m = _TOTAL.search(text)
+                if m:
+                    state["bar"] = Progress(int(m.group(1)), desc, unit="chunk")
+            if state["bar"] is not None:
+                state["bar"].set(_chunks_done(text))
+        parts.append(buf.decode(errors="replace"))
+
+    th = threading.Thread(target=pump, daemon=True)
+    th.start()
     try:
-        r = subprocess.run(args, capture_output=True, text=True, errors="replace",
-                           timeout=timeout)
-    except subprocess.TimeoutExpired as e:
-        out = "".join(x.decode(errors="replace") if isinstance(x, bytes) else (x or "")
-                      for x in (e.stdout, e.stderr))
-        raise PerplexityError(f"`{' '.join(args)}` timed out after {timeout} s\n{_tail(out)}") \
-            from None
-    if r.returncode in (-4, 132) and "--no-repack" not in args:   # SIGILL
+        rc = p.wait(timeout)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.wait()
+        th.join(5)
+        raise PerplexityError(f"`{' '.join(args)}` timed out after {timeout} s\n"
+                              f"{_tail(''.join(parts))}") from None
+    except BaseException:
+        p.kill()
+        p.wait()
+        raise
+    th.join()
+    out = "".join(parts)
+    if state["bar"] is not None:
+        state["bar"].close(ok=rc == 0)
+    if rc in (-4, 132) and "--no-repack" not in args:   # SIGILL
         _NO_REPACK = True
-        return _run_tool(args, timeout)
-    if r.returncode:
-        raise PerplexityError(f"`{' '.join(args)}` failed (exit {r.returncode}):\n"
-                              f"{_tail(r.stderr or r.stdout)}")
-    return r.stdout + "\n" + r.stderr
+        return _run_tool(args, timeout, desc)
+    if rc:
+        raise PerplexityError(f"`{' '.join(args)}` failed (exit {rc}):\n{_tail(out)}")
+    return out
 
 
 def _common_args(ctx: int, chunks: int | None, threads: int | None,
@@ -241,7 +297,8 @@ def kld_base(reference_gguf: str | os.PathLike, text_file: str | os.PathLike, ct
     try:
         out = _run_tool([exe, "-m", str(ref), "-f", str(text),
                          *_common_args(ctx, chunks, threads, batch),
-                         "--kl-divergence-base", tmp], timeout)
+                         "--kl-divergence-base", tmp], timeout,
+                        desc=f"llama-perplexity {ref.name} (base logits)")
         res = parse_perplexity_output(out)
         if "ppl" not in res or os.path.getsize(tmp) <= 16:
             raise PerplexityError(f"llama-perplexity wrote no base logits for {ref.name} on "
@@ -281,7 +338,8 @@ def run_perplexity(gguf: str | os.PathLike, text_file: str | os.PathLike, ctx: i
     exe = str(tool_path("llama-perplexity"))
     if kl_base is None:
         out = _run_tool([exe, "-m", str(model), "-f", str(text),
-                         *_common_args(ctx, chunks, threads, batch)], timeout)
+                         *_common_args(ctx, chunks, threads, batch)], timeout,
+                        desc=f"llama-perplexity {model.name}")
         res = parse_perplexity_output(out)
         if "ppl" not in res:
             raise PerplexityError(f"llama-perplexity printed no final PPL for {model.name}:\n"
@@ -296,7 +354,8 @@ def run_perplexity(gguf: str | os.PathLike, text_file: str | os.PathLike, ctx: i
         base = kld_base(kb, text, ctx=ctx, chunks=chunks, threads=threads, batch=batch,
                         timeout=timeout)
     out = _run_tool([exe, "-m", str(model), *_common_args(ctx, None, threads, batch),
-                     "--kl-divergence-base", base["path"], "--kl-divergence"], timeout)
+                     "--kl-divergence-base", base["path"], "--kl-divergence"], timeout,
+                    desc=f"llama-perplexity {model.name}")
     res = parse_perplexity_output(out)
     if "kld" not in res:
         raise PerplexityError(f"llama-perplexity printed no KL divergence for {model.name} "
@@ -358,3 +417,150 @@ def evaluate_rows(results: Iterable[tuple[str, Mapping]]) -> list[dict]:
     """``[(label, result dict)]`` → rows with a leading ``"model"`` column, for format_table."""
     return [{"model": label, **{k: v for k, v in r.items() if k != "model"}}
             for label, r in results]
+
+
+# ------------------------------------------------------------------------------------ pictures
+_BLOCK = re.compile(r"^(?P<pre>.*?)blk\.(?P<n>\d+)\.(?P<kind>.+?)(?:\.weight)?$")
+
+
+def assignment_grid(types: Mapping[str, str]) -> tuple[list[str], list[str], dict]:
+    """Lays out ``{gguf_name: type}`` as a grid: one row per block (``blk.N`` parsed from GGUF
+    names ``[prefix]blk.N.<kind>.weight``, rows in block order, the prefix kept when there is
+    one) plus one row ``"outside blocks"`` for every other tensor (``token_embd``,
+    ``output``, ...), and one column per tensor kind (``attn_q``, ``ffn_down``,
+    ``ffn_down_exps``, whatever the architecture names them; kinds in first-seen order, then
+    the outside-block names). Nothing about an architecture is assumed.
+
+    Returns ``(rows, columns, cells)`` with ``cells[(row, column)] = type``."""
+    cells: dict = {}
+    rows: list[tuple[str, int]] = []
+    kinds: list[str] = []
+    others: list[str] = []
+    for name, t in types.items():
+        m = _BLOCK.match(name)
+        if m:
+            key = (m.group("pre"), int(m.group("n")))
+            if key not in rows:
+                rows.append(key)
+            if m.group("kind") not in kinds:
+                kinds.append(m.group("kind"))
+            cells[(f"{key[0]}blk.{key[1]}", m.group("kind"))] = t
+        else:
+            col = name.removesuffix(".weight")
+            if col not in others:
+                others.append(col)
+            cells[("outside blocks", col)] = t
+    row_names = [f"{pre}blk.{n}" for pre, n in sorted(rows)]
+    if others:
+        row_names.append("outside blocks")
+    return row_names, kinds + others, cells
+
+
+def _pyplot():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def plot_assignment(assignment, path: str | os.PathLike, title: str | None = None) -> Path:
+    """Writes a PNG of an assignment: blocks × tensor kinds (:func:`assignment_grid`), each
+    cell coloured by its ggml type's bits per weight (one colour per type, low bpw dark, high
+    bpw light; ``viridis``) and labelled with the type's name; blank where a block has no
+    tensor of that kind. ``assignment``: the assignment JSON (dict or path) or
+    ``{gguf_name: type}``. Written atomically (Agg backend, no display needed). Returns the
+    path."""
+    import numpy as np
+
+    from .export import assignment_types
+    from .quants import qtype
+    plt = _pyplot()
+    from matplotlib.colors import BoundaryNorm, ListedColormap
+    types = assignment_types(assignment)
+    rows, cols, cells = assignment_grid(types)
+    present = sorted({t for t in cells.values()}, key=lambda t: qtype(t).bpw)
+    index = {t: i for i, t in enumerate(present)}
+    grid = np.full((len(rows), len(cols)), np.nan)
+    for (r, c), t in cells.items():
+        grid[rows.index(r), cols.index(c)] = index[t]
+    base = plt.get_cmap("viridis")
+    colours = [base(0.1 + 0.85 * i / max(1, len(present) - 1)) for i in range(len(present))]
+    cmap = ListedColormap(colours)
+    cmap.set_bad("white")
+    norm = BoundaryNorm(np.arange(len(present) + 1) - 0.5, len(present))
+    fig_w = 1.6 + 0.95 * len(cols)
+    fig_h = 1.4 + 0.26 * len(rows)
+    fig, ax = plt.subplots(figsize=(fig_w, fig_h))
+    im = ax.imshow(np.ma.masked_invalid(grid), cmap=cmap, norm=norm, aspect="auto",
+                   interpolation="nearest")
+    for (r, c), t in cells.items():
+        i = index[t]
+        light = sum(colours[i][:3]) / 3 > 0.5
+        ax.text(cols.index(c), rows.index(r), t, ha="center", va="center", fontsize=7,
+                color="black" if light else "white")
+    ax.set_xticks(range(len(cols)), cols, rotation=35, ha="right", fontsize=8)
+    ax.set_yticks(range(len(rows)), rows, fontsize=7)
+    ax.set_xticks(np.arange(len(cols) + 1) - 0.5, minor=True)
+    ax.set_yticks(np.arange(len(rows) + 1) - 0.5, minor=True)
+    ax.grid(which="minor", color="white", linewidth=1)
+    ax.tick_params(which="minor", length=0)
+    cb = fig.colorbar(im, ax=ax, ticks=range(len(present)), fraction=0.04, pad=0.02)
+    cb.ax.set_yticklabels([f"{t} ({qtype(t).bpw:.2f} bpw)" for t in present], fontsize=7)
+    if title:
+        ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    return _save_fig(fig, path)
+
+
+def plot_size_vs_kld(rows: Sequence[Mapping], path: str | os.PathLike,
+                     title: str | None = None) -> Path:
+    """Writes a PNG of file size (MiB, x) against mean KLD (nats/token, y, log scale): the
+    stock llama.cpp types as a line of points (``file`` starting with ``"stock"``), every
+    other row (Voodoo) as a star; each point labelled. ``rows``: the rows of ``voodoo run``'s
+    report (``file``, ``size_mib``, ``kld``); rows without a KLD are left out. Written
+    atomically (Agg backend). Returns the path. Raises ValueError when no row has a KLD."""
+    plt = _pyplot()
+    pts = [r for r in rows if r.get("kld") is not None and r.get("size_mib") is not None]
+    if not pts:
+        raise ValueError("no row with both size_mib and kld to plot")
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    stock = sorted((r for r in pts if str(r["file"]).startswith("stock")),
+                   key=lambda r: r["size_mib"])
+    ours = [r for r in pts if not str(r["file"]).startswith("stock")]
+    if stock:
+        ax.plot([r["size_mib"] for r in stock], [r["kld"] for r in stock], "o-",
+                color="tab:gray", label="stock llama.cpp types")
+    for r in stock:
+        ax.annotate(f"{str(r['file']).removeprefix('stock ').strip()} {r['kld']:.3g}",
+                    (r["size_mib"], r["kld"]), textcoords="offset points", xytext=(6, 4),
+                    fontsize=8, color="dimgray")
+    for r in ours:
+        ax.plot([r["size_mib"]], [r["kld"]], "*", markersize=14, color="tab:red",
+                label=str(r.get("name") or r["file"]))
+        ax.annotate(f"{r['kld']:.3g}", (r["size_mib"], r["kld"]), textcoords="offset points",
+                    xytext=(8, -3), fontsize=8, color="tab:red")
+    from matplotlib.ticker import FuncFormatter
+    ax.set_xlabel("file size (MiB)")
+    ax.set_ylabel("mean KLD vs reference (nats/token)")
+    ax.set_yscale("log")
+    ax.margins(x=0.12, y=0.15)
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.yaxis.set_minor_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.tick_params(axis="y", which="minor", labelsize=7)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    if title:
+        ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    return _save_fig(fig, path)
+
+
+def _save_fig(fig, path) -> Path:
+    import io
+
+    from .fsutil import atomic_write_bytes
+    plt = _pyplot()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
+    plt.close(fig)
+    return atomic_write_bytes(path, buf.getvalue())

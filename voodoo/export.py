@@ -28,6 +28,8 @@ from .quants import fallback_type, nearest_ftype, qtype
 __all__ = [
     "export_gguf", "write_tensor_type_file", "output_name", "quantize_with_llama",
     "assignment_types", "copy_kv", "dominant_file_type", "ExportError", "gguf_tensor_bytes",
+    "badge_file_type", "model_id", "parse_model_id", "record_model", "find_model",
+    "find_reference", "gguf_model_id",
 ]
 
 #: GGUF pseudo-keys GGUFReader exposes that are not KV pairs of the file.
@@ -108,6 +110,17 @@ _FTYPE_OF = {
 }
 
 
+def badge_file_type(badge: str) -> int:
+    """``general.file_type`` for a file-name badge: ``"Q4_K_S"`` -> ``LlamaFileType.
+    MOSTLY_Q4_K_S`` (15), ``"IQ2_M"`` -> ``MOSTLY_IQ2_M``. The badge is a llama.cpp file type
+    (:data:`voodoo.quants.FTYPE_NOMINAL_BPW`). Raises ValueError for another name."""
+    try:
+        return int(LlamaFileType["MOSTLY_" + badge.upper()])
+    except KeyError:
+        raise ValueError(f"{badge!r} is not a llama.cpp file type (LlamaFileType has no "
+                         f"MOSTLY_{badge.upper()})") from None
+
+
 def dominant_file_type(weights: Mapping[str, int]) -> int:
     """``general.file_type`` for a mixed file: the llama.cpp file type of the ggml type that
     holds the most weights (``weights``: type name -> number of weights). llama.cpp reads the
@@ -138,7 +151,11 @@ def export_gguf(base_gguf: str | os.PathLike, assignment,
         out_path: the final file. Written to a temporary file in the same folder and renamed
             into place (``os.replace``) only when complete, so an interrupted export leaves
             nothing at ``out_path``.
-        file_type: ``general.file_type`` to write; default :func:`dominant_file_type`.
+        file_type: ``general.file_type`` to write. Default: the file type of the badge
+            :func:`output_name` puts in the file name, i.e. :func:`voodoo.quants.
+            nearest_ftype` of the assigned tensors' bits per weight (their bytes after the
+            shape fallback × 8 / their weights), so ``…Voodoo55_Q4_K_S.gguf`` says
+            ``MOSTLY_Q4_K_S`` (llama.cpp shows it as the model's type).
         extra_kv: more string/int/float/bool KV pairs (e.g. ``{"voodoo.assignment": ...}``).
 
     Tensors not in the assignment are copied from the base unchanged (norms stay F32).
@@ -165,6 +182,7 @@ def export_gguf(base_gguf: str | os.PathLike, assignment,
     # plan: (tensor, out type, nbytes)
     plan = []
     weights_per_type: dict[str, int] = {}
+    assigned_bytes = assigned_weights = 0
     for t in tensors:
         ne = [int(x) for x in t.shape]           # GGUF ne: [n_per_row, n_rows, ...]
         n_per_row, n_rows = ne[0], int(np.prod(ne[1:])) if len(ne) > 1 else 1
@@ -173,6 +191,8 @@ def export_gguf(base_gguf: str | os.PathLike, assignment,
             nbytes = n_rows * q.row_nbytes(n_per_row)
             plan.append((t, q, n_rows, n_per_row, nbytes))
             weights_per_type[q.name] = weights_per_type.get(q.name, 0) + n_rows * n_per_row
+            assigned_bytes += nbytes
+            assigned_weights += n_rows * n_per_row
         else:
             plan.append((t, None, n_rows, n_per_row, int(t.n_bytes)))
             if len(ne) > 1:
@@ -186,8 +206,10 @@ def export_gguf(base_gguf: str | os.PathLike, assignment,
     writer = GGUFWriter(tmp, arch)
     try:
         copy_kv(reader, writer, skip=["general.file_type", "general.quantization_version"])
-        writer.add_file_type(int(dominant_file_type(weights_per_type) if file_type is None
-                                 else file_type))
+        if file_type is None:
+            file_type = (badge_file_type(nearest_ftype(8.0 * assigned_bytes / assigned_weights))
+                         if assigned_weights else dominant_file_type(weights_per_type))
+        writer.add_file_type(int(file_type))
         writer.add_quantization_version(2)
         for k, v in (extra_kv or {}).items():
             _add_scalar(writer, k, v)
@@ -300,6 +322,95 @@ def write_tensor_type_file(assignment, path: str | os.PathLike,
     tmp.write_text("\n".join(lines) + "\n")
     os.replace(tmp, path)
     return path
+
+
+# ------------------------------------------------------------- which model a GGUF is of
+def model_id(name: str, sha256: str) -> str:
+    """The ``voodoo.model`` KV of an exported GGUF: the model's name and the sha256 of its
+    reference GGUF's bytes (the source GGUF for GGUF input, the base F32 GGUF for an HF
+    folder; what KLD is measured against), e.g. ``SmolLM2-135M-Instruct@sha256:b179c952…``.
+    Never a local path: the file may travel to other machines."""
+    if not re.fullmatch(r"[0-9a-f]{64}", sha256):
+        raise ValueError(f"not a hex sha256: {sha256!r}")
+    return f"{name}@sha256:{sha256}"
+
+
+def parse_model_id(value: str) -> tuple[str, str | None]:
+    """``"Name@sha256:<hex>"`` -> ``(name, hex)``; any other string (GGUFs from before the
+    hash was recorded held a path) -> ``(value, None)``."""
+    m = re.fullmatch(r"(.*)@sha256:([0-9a-f]{64})", value)
+    return (m.group(1), m.group(2)) if m else (value, None)
+
+
+def _index_dir() -> Path:
+    from .llamacpp import cache_root
+    return cache_root() / "models" / "by-sha256"
+
+
+def record_model(prepared, sha256: str | None = None) -> str:
+    """Remembers, in this machine's Voodoo cache (``<cache>/models/by-sha256/<sha256>.json``),
+    which local model a content hash stands for, so ``voodoo eval --gguf`` / ``voodoo chat
+    --reference`` find the reference of a GGUF whose ``voodoo.model`` names that hash.
+    ``prepared``: a :class:`voodoo.models.PreparedModel`. ``sha256``: of its
+    ``reference_gguf`` (computed when None). Returns :func:`model_id`."""
+    from .evaluate import _sha256_file
+    from .fsutil import atomic_write_text
+    sha = sha256 or _sha256_file(Path(prepared.reference_gguf))
+    src = prepared.reference_gguf if prepared.source == "gguf" else prepared.hf_dir
+    atomic_write_text(_index_dir() / f"{sha}.json", json.dumps(
+        {"name": prepared.name, "model": str(Path(src).resolve()),
+         "reference_gguf": str(Path(prepared.reference_gguf).resolve()),
+         "source": prepared.source}, indent=1) + "\n")
+    return model_id(prepared.name, sha)
+
+
+def find_model(value: str) -> str | None:
+    """The local model argument (for :func:`voodoo.models.prepare_model`) that a recorded
+    ``voodoo.model`` value stands for, or None when this machine does not have it.
+
+    ``Name@sha256:<hex>``: the default model when the hash is its GGUF's (fetched from PyPI
+    if needed), else the model :func:`record_model` indexed under that hash, if its reference
+    file is still there (size and hash are not re-checked here; KLD runs hash it again).
+    A plain existing path (older GGUFs) is returned as is."""
+    name, sha = parse_model_id(value)
+    if sha is None:
+        return value if Path(value).exists() else None
+    from .models import DEFAULT_MODEL_WHEEL, default_model
+    if sha == DEFAULT_MODEL_WHEEL["gguf_sha256"]:
+        return str(default_model())
+    f = _index_dir() / f"{sha}.json"
+    try:
+        rec = json.loads(f.read_text())
+    except (OSError, ValueError):
+        return None
+    if Path(rec.get("reference_gguf", "")).is_file() and Path(rec.get("model", "")).exists():
+        return rec["model"]
+    return None
+
+
+def find_reference(value: str) -> Path | None:
+    """The reference GGUF (unquantized, or the source GGUF) of a recorded ``voodoo.model``
+    value on this machine, without preparing the model: the default model's GGUF, or the
+    ``reference_gguf`` :func:`record_model` indexed under the hash. None when unknown."""
+    name, sha = parse_model_id(value)
+    if sha is None:
+        p = Path(value)
+        return p if p.is_file() and p.suffix.lower() == ".gguf" else None
+    from .models import DEFAULT_MODEL_WHEEL, default_model
+    if sha == DEFAULT_MODEL_WHEEL["gguf_sha256"]:
+        return default_model()
+    try:
+        rec = json.loads((_index_dir() / f"{sha}.json").read_text())
+    except (OSError, ValueError):
+        return None
+    p = Path(rec.get("reference_gguf", ""))
+    return p if p.is_file() else None
+
+
+def gguf_model_id(path: str | os.PathLike) -> str | None:
+    """The ``voodoo.model`` value of a GGUF file, or None (not written by Voodoo)."""
+    f = GGUFReader(str(path)).fields.get("voodoo.model")
+    return None if f is None else str(f.contents())
 
 
 def output_name(model_name: str, ratio_percent: float, bpw: float) -> str:

@@ -6,11 +6,16 @@ Builds live outside the repository, in ``$VOODOO_CACHE/llama.cpp/<commit>/`` (de
 ``~/.cache/voodoo``)::
 
     src/   the vendored llama.cpp tree
-    lib/   libggml-base.so (shared; what cython_ggml loads)
-    bin/   llama-quantize, llama-perplexity, llama-imatrix (static builds)
+    lib/   libggml-base.so (shared; what cython_ggml loads; about 20 s)
+    bin/   static builds of the pipeline's tools (llama-quantize, llama-perplexity,
+           llama-imatrix) and of the tools that talk to a GGUF (llama-completion, llama-cli,
+           llama-server); about 3 min for the first three and 3 more for the others on 2 cores
 
-Each of the three is built in a ``*.partial-<pid>`` folder and renamed into place only when
-complete, so an interrupted build never leaves a folder that looks finished.
+``lib/`` and ``bin/`` are staged in ``*.partial-*`` folders and renamed into place only when
+complete, so an interrupted build never leaves a folder that looks finished. The CMake build
+folder (``build-tools/``) is kept, so a later build of more tools compiles only what they add
+(a cache that has the first three gets the others without recompiling them). One build at a
+time per cache (a lock file).
 
 ``VOODOO_GGML_LIB=/path/libggml-base.so`` and ``VOODOO_LLAMA_CPP=/path/to/build`` (a folder
 holding the tools, directly or in ``bin/``) point Voodoo at a llama.cpp of your own.
@@ -26,6 +31,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import time
 from pathlib import Path
 
 #: llama-cpp-python release whose sdist carries the llama.cpp source Voodoo builds.
@@ -36,7 +42,13 @@ LLAMA_CPP_PYTHON_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372
 #: ggml-org/llama.cpp@0c1e57098").
 LLAMA_CPP_COMMIT = "0c1e57098"
 
-TOOLS = ("llama-quantize", "llama-perplexity", "llama-imatrix")
+#: The tools the pipeline runs (quantize stock types, measure PPL/KLD, imatrix).
+PIPELINE_TOOLS = ("llama-quantize", "llama-perplexity", "llama-imatrix")
+#: The tools that generate text with a GGUF: ``voodoo chat`` (llama-completion, one turn with
+#: the model's chat template), ``voodoo serve`` (llama-server), and llama-cli (interactive).
+CHAT_TOOLS = ("llama-completion", "llama-cli", "llama-server")
+#: Everything ``voodoo bootstrap`` builds into ``bin/``.
+TOOLS = PIPELINE_TOOLS + CHAT_TOOLS
 
 
 class LlamaCppNotBuilt(RuntimeError):
@@ -81,7 +93,7 @@ def lib_path() -> Path:
 
 
 def tool_path(name: str) -> Path:
-    """Path of a llama.cpp tool (``llama-quantize``, ``llama-perplexity``, ``llama-imatrix``).
+    """Path of a llama.cpp tool (one of :data:`TOOLS`, e.g. ``llama-perplexity``).
 
     Looks in ``$VOODOO_LLAMA_CPP`` (or its ``bin/``) first, then in the cached build.
     Raises LlamaCppNotBuilt saying how to build it."""
@@ -95,12 +107,12 @@ def tool_path(name: str) -> Path:
             return c
     raise LlamaCppNotBuilt(
         f"{name} not found (looked in {', '.join(str(c.parent) for c in cands)}); run "
-        "`voodoo bootstrap` (about 15 min on 2 cores, once) or set VOODOO_LLAMA_CPP to a "
-        "llama.cpp build folder")
+        "`voodoo bootstrap` (it builds only what is missing: about 3 min per group of tools "
+        "on 2 cores, once) or set VOODOO_LLAMA_CPP to a llama.cpp build folder")
 
 
 def tools_status() -> dict[str, str | None]:
-    """{tool name: path or None}."""
+    """{tool name: path or None} for every tool in :data:`TOOLS`."""
     out = {}
     for t in TOOLS:
         try:
@@ -165,31 +177,27 @@ def fetch_source() -> Path:
 _PCT = re.compile(r"^\[\s*(\d+)%\]")
 
 
-def _cmake(args: list[str], desc: str, log: Path) -> None:
-    """Runs cmake, streaming its ``[ NN%]`` lines into a progress bar; full log in ``log``."""
-    try:
-        from tqdm import tqdm
-    except ImportError:  # pragma: no cover
-        tqdm = None
-    bar = tqdm(total=100, desc=desc, unit="%", file=sys.stderr) if tqdm else None
+def _cmake(args: list[str], desc: str, log: Path) -> float:
+    """Runs cmake, streaming its ``[ NN%]`` lines into a progress bar (a tqdm bar on a
+    terminal, a plain line every 10% or 30 s otherwise: :class:`voodoo.progress.Progress`);
+    full log in ``log``. Returns the wall time in seconds. Raises RuntimeError with the log's
+    tail when cmake fails."""
+    from .progress import Progress
+    bar = Progress(100, desc, unit="%", prefix="[voodoo bootstrap] ")
     with open(log, "a") as lf:
         lf.write("$ " + " ".join(args) + "\n")
         p = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        last = 0
         for line in p.stdout:
             lf.write(line)
             m = _PCT.match(line)
-            if m and bar is not None:
-                pct = int(m.group(1))
-                if pct > last:
-                    bar.update(pct - last)
-                    last = pct
+            if m:
+                bar.set(int(m.group(1)))
         rc = p.wait()
-    if bar is not None:
-        bar.close()
+    dt = bar.close(ok=rc == 0)
     if rc:
         tail = "".join(open(log).readlines()[-25:])
         raise RuntimeError(f"{desc} failed (exit {rc}); full log: {log}\n{tail}")
+    return dt
 
 
 #: Bumped whenever the tool build options change, so cached tools are rebuilt.
@@ -229,10 +237,16 @@ def cpu_flags() -> list[str]:
 
 
 def _configure_args(src: Path, build: Path, shared: bool) -> list[str]:
+    """CMake options. The server (and llama-cli, which is built on it) is configured on for
+    the tools build; its web UI is neither built (npm) nor downloaded (``LLAMA_UI_*`` off):
+    ``voodoo serve`` answers HTTP API requests only. These options add targets; they do not
+    change how the pipeline's tools are compiled."""
     return ["cmake", "-S", str(src), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release",
             f"-DBUILD_SHARED_LIBS={'ON' if shared else 'OFF'}", "-DLLAMA_CURL=OFF",
-            "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=OFF",
-            "-DGGML_CCACHE=OFF", *([] if shared else cpu_flags())]
+            "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
+            f"-DLLAMA_BUILD_SERVER={'OFF' if shared else 'ON'}", "-DLLAMA_BUILD_UI=OFF",
+            "-DLLAMA_USE_PREBUILT_UI=OFF", "-DGGML_CCACHE=OFF",
+            *([] if shared else cpu_flags())]
 
 
 def _tools_info() -> dict:
@@ -244,68 +258,128 @@ def _jobs() -> str:
     return str(os.environ.get("VOODOO_BUILD_JOBS") or os.cpu_count() or 2)
 
 
+class _BuildLock:
+    """An exclusive lock on ``<build_root>/build.lock`` (``fcntl.flock``) while building, so
+    two processes sharing a cache never build into the same folder; the second waits and then
+    finds the first's result."""
+
+    def __init__(self, root: Path):
+        self.path = root / "build.lock"
+
+    def __enter__(self):
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.f = open(self.path, "a")
+        try:
+            import fcntl
+        except ImportError:  # pragma: no cover - not POSIX
+            return self
+        try:
+            fcntl.flock(self.f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            _log(f"another process is building llama.cpp in {self.path.parent}; waiting")
+            fcntl.flock(self.f, fcntl.LOCK_EX)
+        return self
+
+    def __exit__(self, *exc):
+        self.f.close()  # releases the lock
+
+
+def _stage_dir(root: Path, prefix: str) -> Path:
+    d = Path(tempfile.mkdtemp(prefix=prefix, dir=root))
+    os.chmod(d, 0o755)  # mkdtemp makes 0700; the cache is meant to be readable
+    return d
+
+
 def build_lib(force: bool = False) -> Path:
-    """Builds libggml-base.so (shared) into ``<build_root>/lib`` and returns its path."""
+    """Builds libggml-base.so (shared) into ``<build_root>/lib`` (about 20 s) and returns its
+    path; reuses a cached build unless ``force``."""
     root = build_root()
     final = root / "lib"
     if (final / "libggml-base.so").is_file() and not force:
         return final / "libggml-base.so"
     src = fetch_source()
-    work = Path(tempfile.mkdtemp(prefix="build-lib.partial-", dir=root))
-    log = root / "build-lib.log"
-    log.write_text("")
-    _cmake(_configure_args(src, work, shared=True), "configure libggml-base", log)
-    _cmake(["cmake", "--build", str(work), "--target", "ggml-base", "-j", _jobs()],
-           "build libggml-base", log)
-    staged = Path(tempfile.mkdtemp(prefix="lib.partial-", dir=root))
-    for so in (work / "bin").glob("libggml-base.so*"):
-        shutil.copy2(so, staged / so.name, follow_symlinks=True)
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(staged, final)
-    shutil.rmtree(work, ignore_errors=True)
+    with _BuildLock(root):
+        if (final / "libggml-base.so").is_file() and not force:
+            return final / "libggml-base.so"
+        work = Path(tempfile.mkdtemp(prefix="build-lib.partial-", dir=root))
+        log = root / "build-lib.log"
+        log.write_text("")
+        _cmake(_configure_args(src, work, shared=True), "configure libggml-base", log)
+        _cmake(["cmake", "--build", str(work), "--target", "ggml-base", "-j", _jobs()],
+               "build libggml-base", log)
+        staged = _stage_dir(root, "lib.partial-")
+        for so in (work / "bin").glob("libggml-base.so*"):
+            shutil.copy2(so, staged / so.name, follow_symlinks=True)
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(staged, final)
+        shutil.rmtree(work, ignore_errors=True)
     _log(f"libggml-base: {final / 'libggml-base.so'}")
     return final / "libggml-base.so"
 
 
-def build_tools(force: bool = False) -> Path:
-    """Builds llama-quantize, llama-perplexity and llama-imatrix (static) into
-    ``<build_root>/bin`` (about 15 min on 2 cores, once per commit) and returns that folder."""
+def _cached_tools(final: Path) -> set[str]:
+    """The tools in ``final`` built with today's options (empty when BUILD_INFO differs)."""
+    try:
+        if json.loads((final / "BUILD_INFO.json").read_text()) != _tools_info():
+            return set()
+    except (OSError, ValueError):
+        return set()
+    return {t for t in TOOLS if (final / t).is_file()}
+
+
+def build_tools(force: bool = False, tools: tuple[str, ...] = TOOLS) -> Path:
+    """Builds the llama.cpp ``tools`` (static; default :data:`TOOLS`) into
+    ``<build_root>/bin`` and returns that folder.
+
+    Only tools that are missing are built (all of them when ``force`` or when the cached ones
+    were built with other options, see ``BUILD_INFO.json``); the CMake folder
+    ``<build_root>/build-tools`` is kept, so adding tools to a cache compiles only what they
+    add. On 2 cores: about 3 min for the pipeline's tools, about 3 min more for the chat
+    tools. The new ``bin/`` (cached tools + new ones) is staged and renamed into place."""
     root = build_root()
     final = root / "bin"
-    info = final / "BUILD_INFO.json"
-    if all((final / t).is_file() for t in TOOLS) and not force:
-        try:
-            if json.loads(info.read_text()) == _tools_info():
-                return final
-        except (OSError, ValueError):
-            pass
+    have = set() if force else _cached_tools(final)
+    if all(t in have for t in tools):
+        return final
+    if not force and not have and (final / "BUILD_INFO.json").is_file():
         _log(f"cached tools in {final} were built with other options; rebuilding")
     src = fetch_source()
-    work = root / "build-tools"  # kept between attempts so an interrupted build resumes
-    cache_file = work / "CMakeCache.txt"
-    if cache_file.is_file() and f"CMAKE_CACHEFILE_DIR:INTERNAL={work}\n" not in \
-            cache_file.read_text(errors="replace"):
-        shutil.rmtree(work)  # a build folder that was moved: CMake refuses to reuse it
-    log = root / "build-tools.log"
-    log.write_text("")
-    _cmake(_configure_args(src, work, shared=False), "configure llama.cpp tools", log)
-    _cmake(["cmake", "--build", str(work), "--target", *TOOLS, "-j", _jobs()],
-           "build llama.cpp tools", log)
-    staged = Path(tempfile.mkdtemp(prefix="bin.partial-", dir=root))
-    for t in TOOLS:
-        shutil.copy2(work / "bin" / t, staged / t)
-    (staged / "BUILD_INFO.json").write_text(json.dumps(_tools_info(), indent=1))
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(staged, final)
-    _log(f"llama.cpp tools: {final}")
+    with _BuildLock(root):
+        have = set() if force else _cached_tools(final)
+        todo = [t for t in tools if t not in have]
+        if not todo:
+            return final
+        work = root / "build-tools"  # kept between builds: later targets reuse the objects
+        cache_file = work / "CMakeCache.txt"
+        if cache_file.is_file() and f"CMAKE_CACHEFILE_DIR:INTERNAL={work}\n" not in \
+                cache_file.read_text(errors="replace"):
+            shutil.rmtree(work)  # a build folder that was moved: CMake refuses to reuse it
+        log = root / "build-tools.log"
+        log.write_text("")
+        _log(f"building {', '.join(todo)} ({_jobs()} jobs; log {log})")
+        t0 = time.monotonic()
+        _cmake(_configure_args(src, work, shared=False), "configure llama.cpp tools", log)
+        _cmake(["cmake", "--build", str(work), "--target", *todo, "-j", _jobs()],
+               "build " + ", ".join(todo), log)
+        staged = _stage_dir(root, "bin.partial-")
+        for t in have:
+            shutil.copy2(final / t, staged / t)
+        for t in todo:
+            shutil.copy2(work / "bin" / t, staged / t)
+        (staged / "BUILD_INFO.json").write_text(json.dumps(_tools_info(), indent=1))
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(staged, final)
+    from .progress import fmt_duration
+    _log(f"built {', '.join(todo)} in {fmt_duration(time.monotonic() - t0)}: {final}")
     return final
 
 
 def bootstrap(lib_only: bool = False, force: bool = False) -> dict:
     """Fetches the pinned llama.cpp and builds libggml-base (and the tools unless
-    ``lib_only``). Reuses what is cached. Returns {"lib": path, "bin": path or None}."""
+    ``lib_only``). Reuses what is cached; builds only what is missing. Returns
+    ``{"lib": path, "bin": path or None}``."""
     lib = build_lib(force=force) if not os.environ.get("VOODOO_GGML_LIB") else lib_path()
     out = {"lib": str(lib), "bin": None}
     if not lib_only:
@@ -316,11 +390,23 @@ def bootstrap(lib_only: bool = False, force: bool = False) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     import argparse
-    ap = argparse.ArgumentParser(prog="voodoo bootstrap", description=__doc__.split("\n")[0])
-    ap.add_argument("--lib-only", action="store_true", help="build libggml-base only (~20 s)")
-    ap.add_argument("--force", action="store_true", help="rebuild even when cached")
+    ap = argparse.ArgumentParser(
+        prog="voodoo bootstrap", description=__doc__.split("\n")[0],
+        epilog=f"Builds into {build_root()} (VOODOO_CACHE moves it). On 2 cores: "
+               "libggml-base about 20 s; the tools about 6 min (3 for llama-quantize, "
+               "llama-perplexity and llama-imatrix, 3 for llama-completion, llama-cli and "
+               "llama-server). Cached builds are reused; only missing tools are built.")
+    ap.add_argument("--lib-only", action="store_true",
+                    help="build libggml-base only (about 20 s): enough to quantize candidates, "
+                         "train and export; not for stock types (llama-quantize), "
+                         "llama-perplexity tables, chat or serve")
+    ap.add_argument("--force", action="store_true", help="rebuild even what is cached")
     a = ap.parse_args(argv)
-    print(bootstrap(lib_only=a.lib_only, force=a.force))
+    out = bootstrap(lib_only=a.lib_only, force=a.force)
+    print(f"libggml-base     {out['lib']}")
+    if out["bin"]:
+        st = tools_status()
+        print(f"llama.cpp tools  {out['bin']} ({', '.join(t for t in TOOLS if st.get(t))})")
     return 0
 
 

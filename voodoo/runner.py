@@ -65,5 +65,21 @@ def compare_with_stock(r) -> list[dict]:
     print("\nwall time\n")
     print(r.timer.report())
     save_report(rows, out / "eval" / "report.json")
+    write_pictures(r, rows, out / "eval")
     write_json(out / "eval" / "timing.json", r.timer.stages)
     return rows
+
+
+def write_pictures(r, rows, eval_dir) -> list[Path]:
+    """``<eval_dir>/assignment.png`` (blocks x tensor kinds, coloured by ggml type) and
+    ``<eval_dir>/size_vs_kld.png`` (the run against the stock types), next to report.md.
+    Returns the paths written."""
+    from .evaluate import plot_assignment, plot_size_vs_kld
+    name = getattr(r, "stem", None) or "Voodoo"
+    paths = [plot_assignment(r.assignment, Path(eval_dir) / "assignment.png",
+                             title=f"{name}: ggml type per tensor"),
+             plot_size_vs_kld(rows, Path(eval_dir) / "size_vs_kld.png",
+                              title=f"{r.ctx.prepared.name}: size vs mean KLD "
+                                    f"(llama-perplexity -c {r.a.ctx}, {r.a.chunks} chunks)")]
+    print("pictures: " + ", ".join(str(p) for p in paths))
+    return paths

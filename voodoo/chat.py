@@ -1,0 +1,254 @@
+"""Talking to a GGUF with llama.cpp's own programs: one-shot generation (``voodoo chat``) and
+an HTTP server on 127.0.0.1 (``voodoo serve``).
+
+:func:`generate` runs ``llama-completion`` for one turn: the prompt goes through the chat
+template stored in the GGUF (``tokenizer.chat_template``; ``-cnv -st``), or is continued as
+plain text when the GGUF has none (``-no-cnv``). Decoding is greedy (``--temp 0``), so the
+same file and prompt always give the same text; :func:`side_by_side` runs a Voodoo GGUF and
+its unquantized reference on the same prompt.
+
+:class:`LlamaServer` starts ``llama-server`` on 127.0.0.1, waits until ``/health`` answers, and
+stops it (SIGTERM, then SIGKILL) on exit; :func:`complete` sends one request to its
+``/completion`` endpoint. The server also speaks OpenAI's API (``/v1/chat/completions``,
+``/v1/completions``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from .llamacpp import tool_path
+
+__all__ = ["ChatError", "generate", "side_by_side", "Reply", "LlamaServer", "complete",
+           "free_port", "has_chat_template"]
+
+
+class ChatError(RuntimeError):
+    """llama-completion or llama-server failed (the message holds the end of its output)."""
+
+
+def _tail(text: str, n: int = 20) -> str:
+    return "\n".join((text or "").rstrip().splitlines()[-n:])
+
+
+def has_chat_template(gguf: str | os.PathLike) -> bool:
+    """Whether the GGUF stores a chat template (``tokenizer.chat_template``)."""
+    from gguf import GGUFReader
+    return "tokenizer.chat_template" in GGUFReader(str(gguf)).fields
+
+
+@dataclass
+class Reply:
+    """One generation: ``text`` (the model's answer, prompt and template not included),
+    ``model`` (the GGUF), ``templated`` (whether the chat template was applied), ``seconds``
+    (wall time, model load included)."""
+
+    text: str
+    model: Path
+    templated: bool
+    seconds: float
+
+
+def generate(gguf: str | os.PathLike, prompt: str, n_predict: int = 128, ctx: int = 2048,
+             threads: int | None = None, timeout: float | None = 600) -> Reply:
+    """One greedy answer of ``gguf`` to ``prompt`` from ``llama-completion``.
+
+    With a chat template in the GGUF: ``-cnv -st`` (one user turn through the template, then
+    exit); without: ``-no-cnv`` (the prompt is continued as text). ``--temp 0`` (greedy),
+    ``-n n_predict`` tokens at most, ``-c ctx``, ``-t threads`` (default: llama.cpp's).
+    The prompt is not echoed (``--no-display-prompt``); stdin is closed, so the tool can never
+    wait for input.
+
+    Raises voodoo.llamacpp.LlamaCppNotBuilt (no tool: run ``voodoo bootstrap``),
+    FileNotFoundError, ChatError (the tool failed or timed out)."""
+    gguf = Path(gguf)
+    if not gguf.is_file():
+        raise FileNotFoundError(f"{gguf}: no such GGUF file")
+    templated = has_chat_template(gguf)
+    args = [str(tool_path("llama-completion")), "-m", str(gguf), "-p", prompt,
+            "-n", str(int(n_predict)), "-c", str(int(ctx)), "--temp", "0", "--seed", "0",
+            "--no-display-prompt", "--no-warmup", "--simple-io", "--log-disable",
+            *(["-cnv", "-st"] if templated else ["-no-cnv"])]
+    if threads:
+        args += ["-t", str(int(threads))]
+    t0 = time.monotonic()
+    try:
+        r = subprocess.run(args, stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                           errors="replace", timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        raise ChatError(f"llama-completion on {gguf.name} did not finish in {timeout} s") \
+            from e
+    if r.returncode:
+        raise ChatError(f"llama-completion failed on {gguf.name} (exit {r.returncode}):\n"
+                        f"{_tail(r.stderr or r.stdout)}")
+    return Reply(_clean(r.stdout), gguf, templated, time.monotonic() - t0)
+
+
+def _clean(out: str) -> str:
+    """The answer in llama-completion's stdout: without the interactive prompt marker
+    (``"> "``) it prints after the turn and without ``[end of text]``."""
+    text = out.replace("[end of text]", "")
+    lines = text.rstrip().splitlines()
+    while lines and lines[-1].strip() in (">", ""):
+        lines.pop()
+    return "\n".join(lines).strip()
+
+
+def side_by_side(gguf: str | os.PathLike, prompt: str, reference: str | os.PathLike | None,
+                 n_predict: int = 128, ctx: int = 2048, threads: int | None = None,
+                 out=None) -> list[Reply]:
+    """Prints (to ``out``, default stdout) the answer of ``gguf`` and, when ``reference`` is
+    given, the reference model's answer to the same prompt, each under a header naming the
+    file and its size in MiB. Returns the replies (``gguf`` first)."""
+    import sys
+    out = sys.stdout if out is None else out
+    replies = []
+    print(f"prompt: {prompt}", file=out)
+    for label, f in (("quantized", gguf), ("reference", reference)):
+        if f is None:
+            continue
+        rep = generate(f, prompt, n_predict=n_predict, ctx=ctx, threads=threads)
+        replies.append(rep)
+        size = Path(f).stat().st_size / 2**20
+        how = "chat template" if rep.templated else "no chat template: plain continuation"
+        print(f"\n--- {label}: {Path(f).name} ({size:.1f} MiB; greedy, {how}; "
+              f"{rep.seconds:.1f} s)", file=out)
+        print(rep.text, file=out, flush=True)
+    return replies
+
+
+# ------------------------------------------------------------------------------ server
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on ``host`` that nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+class LlamaServer:
+    """``llama-server -m GGUF --host HOST --port PORT`` as a context manager.
+
+    ``start()`` returns once ``GET /health`` answers 200 (the model is loaded) or raises
+    ChatError when the server exits or ``timeout`` seconds pass first (with its log's tail).
+    ``stop()`` sends SIGTERM, waits up to 10 s, then SIGKILL. The server's output goes to
+    ``log`` (a file path; default a temporary file) unless ``inherit_output``.
+
+    Args:
+        gguf: the model file.
+        host: the address to bind; 127.0.0.1 keeps it on this machine.
+        port: TCP port (default: a free one, :func:`free_port`).
+        ctx: context size (``-c``); threads: ``-t``.
+    """
+
+    def __init__(self, gguf: str | os.PathLike, host: str = "127.0.0.1", port: int | None = None,
+                 ctx: int = 2048, threads: int | None = None, log: str | os.PathLike | None = None,
+                 inherit_output: bool = False):
+        self.gguf = Path(gguf)
+        if not self.gguf.is_file():
+            raise FileNotFoundError(f"{self.gguf}: no such GGUF file")
+        self.host, self.port = host, int(port) if port else free_port(host)
+        self.ctx, self.threads, self.inherit = ctx, threads, inherit_output
+        self.log = Path(log) if log else None
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        """``http://HOST:PORT``."""
+        return f"http://{self.host}:{self.port}"
+
+    def command(self) -> list[str]:
+        """The llama-server command line."""
+        args = [str(tool_path("llama-server")), "-m", str(self.gguf), "--host", self.host,
+                "--port", str(self.port), "-c", str(int(self.ctx)), "--no-warmup"]
+        if self.threads:
+            args += ["-t", str(int(self.threads))]
+        return args
+
+    def start(self, timeout: float = 120.0) -> "LlamaServer":
+        args = self.command()
+        if self.inherit:
+            self._logf = None
+            self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL)
+        else:
+            if self.log is None:
+                fd, name = tempfile.mkstemp(prefix="llama-server.", suffix=".log")
+                os.close(fd)
+                self.log = Path(name)
+            self._logf = open(self.log, "w")
+            self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=self._logf,
+                                         stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                self._close_log()
+                raise ChatError(f"llama-server exited (code {self.proc.returncode}) before "
+                                f"answering on {self.url}:\n{self._log_tail()}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return self
+            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise ChatError(f"llama-server did not answer on {self.url}/health within "
+                                f"{timeout} s:\n{self._log_tail()}")
+            time.sleep(0.25)
+
+    def _log_tail(self) -> str:
+        try:
+            return _tail(self.log.read_text(errors="replace")) if self.log else ""
+        except OSError:
+            return ""
+
+    def _close_log(self) -> None:
+        if getattr(self, "_logf", None) is not None:
+            self._logf.close()
+            self._logf = None
+
+    def stop(self, grace: float = 10.0) -> int | None:
+        """Stops the server (SIGTERM, then SIGKILL after ``grace`` s). Returns its exit code
+        (None when it was never started)."""
+        p = self.proc
+        if p is None:
+            return None
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+            try:
+                p.wait(grace)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        self._close_log()
+        return p.returncode
+
+    def __enter__(self) -> "LlamaServer":
+        return self.start() if self.proc is None else self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def complete(url: str, prompt: str, n_predict: int = 32, timeout: float = 120.0) -> dict:
+    """One greedy request to a llama-server's ``POST /completion`` (``{"prompt", "n_predict",
+    "temperature": 0}``). Returns the server's JSON answer (``"content"`` holds the text).
+    Raises ChatError on an HTTP error."""
+    body = json.dumps({"prompt": prompt, "n_predict": int(n_predict), "temperature": 0.0,
+                       "seed": 0}).encode()
+    req = urllib.request.Request(url.rstrip("/") + "/completion", data=body,
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return json.loads(r.read().decode())
+    except urllib.error.HTTPError as e:
+        raise ChatError(f"{url}/completion answered {e.code}: {e.read()[:500]!r}") from e
