@@ -1,0 +1,195 @@
+"""Candidates kept as their ggml bytes ("lazy"): mixed and differentiated tile by tile.
+
+A gated tensor has K candidates, one per ggml type of its menu. The eager path holds them as a
+dense ``(K, *shape)`` float tensor (K x 2 or 4 bytes per weight); :class:`QuantizedCandidates`
+holds the very bytes the candidate cache and the exported GGUF hold (``bpw / 8`` bytes per
+weight per candidate) and computes what the gates need from them:
+
+* ``mix(p)``   ``W = sum_k p_k deq(Q_k)``  -- the gated weight of the forward;
+* ``dots(g)``  ``<deq(Q_k), g>`` for every k -- ``dL/dp_k`` given ``g = dL/dW``;
+
+each one row tile at a time, so at most one tile of K dequantized candidates exists at once.
+``deq`` is :func:`voodoo.dequant.dequantize`, bit-identical to libggml's ``to_float``: the
+weights mixed here are exactly the weights llama.cpp will run.
+
+:class:`LazyMix` is the autograd function over ``mix``/``dots`` (probabilities in, gated weight
+out); the gates' own parametrisation (softmax, temperature, ...) stays outside.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+
+from .dequant import dequantize
+from .quants import qtype
+
+__all__ = ["QuantizedCandidates", "LazyMix", "lazy_mix", "DEFAULT_TILE_ELEMENTS"]
+
+#: Weights per tile (rows x n_per_row, rounded to whole rows): ~4 Mi weights keeps the
+#: float32 temporaries of one candidate's dequantization at a few tens of MiB.
+DEFAULT_TILE_ELEMENTS = 1 << 22
+
+
+class QuantizedCandidates(torch.nn.Module):
+    """K candidates of one GGUF tensor, held as ggml bytes.
+
+    Args:
+        blocks: K uint8 tensors, candidate k as ``(n_rows, row_bytes_k)`` (or any shape with
+            that many bytes) where ``n_rows = prod(shape[:-1])`` and ``row_bytes_k`` is the
+            row size of ``types[k]`` for ``shape[-1]`` weights (``QuantType.row_nbytes``).
+        types: K ggml type names (``"Q8_0"``, ``"IQ2_XXS"``, ``"F16"`` ...), each one
+            :func:`voodoo.dequant.dequantize` supports.
+        shape: the tensor's shape in GGUF numpy order: ``(n_rows, n_per_row)`` or
+            ``(n_expert, n_rows, n_per_row)``; the last dimension is the quantized one.
+        tile_elements: weights per tile (rounded down to whole rows, at least one row).
+
+    Raises:
+        ValueError: K == 0, ``len(blocks) != len(types)``, an unsupported type, a row length
+            that is not a multiple of a type's block size, or a byte count that does not match.
+        TypeError: a candidate that is not uint8.
+
+    The byte buffers are registered buffers (``q0 .. q{K-1}``): ``.to(device)`` moves them and
+    ``nbytes`` counts them.
+    """
+
+    def __init__(self, blocks: Sequence[torch.Tensor], types: Sequence[str],
+                 shape: Sequence[int], tile_elements: int = DEFAULT_TILE_ELEMENTS):
+        super().__init__()
+        if len(blocks) == 0 or len(blocks) != len(types):
+            raise ValueError(f"need one type per candidate and at least one candidate; got "
+                             f"{len(blocks)} byte tensors and {len(types)} types")
+        self.shape = tuple(int(s) for s in shape)
+        if len(self.shape) < 2:
+            raise ValueError(f"shape {self.shape} must be (n_rows, n_per_row) or "
+                             f"(n_expert, n_rows, n_per_row)")
+        self.n_per_row = self.shape[-1]
+        self.n_rows = math.prod(self.shape[:-1])
+        self.types = tuple(qtype(t).name for t in types)
+        for k, (b, t) in enumerate(zip(blocks, self.types)):
+            if b.dtype != torch.uint8:
+                raise TypeError(f"candidate {k} ({t}) must be the raw bytes as torch.uint8, "
+                                f"got {b.dtype}")
+            row_bytes = qtype(t).row_nbytes(self.n_per_row)  # raises for a bad row length
+            if b.numel() != self.n_rows * row_bytes:
+                raise ValueError(f"candidate {k} ({t}) has {b.numel()} bytes; shape "
+                                 f"{self.shape} as {t} needs {self.n_rows} rows x {row_bytes} "
+                                 f"bytes = {self.n_rows * row_bytes}")
+            self.register_buffer(f"q{k}", b.detach().reshape(self.n_rows, row_bytes).contiguous(),
+                                 persistent=False)
+        self.tile_rows = max(1, int(tile_elements) // self.n_per_row)
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def k(self) -> int:
+        """Number of candidates K."""
+        return len(self.types)
+
+    def blocks(self, k: int) -> torch.Tensor:
+        """Candidate ``k``'s bytes, ``(n_rows, row_bytes_k)`` uint8."""
+        return getattr(self, f"q{k}")
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held on the device: the K candidates' ggml bytes."""
+        return sum(self.blocks(k).numel() for k in range(self.k))
+
+    @property
+    def device(self) -> torch.device:
+        return self.q0.device
+
+    def dense_nbytes(self, dtype: torch.dtype = torch.float32) -> int:
+        """Bytes the eager path's dense ``(K, *shape)`` tensor of ``dtype`` would hold."""
+        return self.k * self.n_rows * self.n_per_row * dtype.itemsize
+
+    def _tiles(self):
+        for r0 in range(0, self.n_rows, self.tile_rows):
+            yield r0, min(self.n_rows, r0 + self.tile_rows)
+
+    def _deq(self, k: int, r0: int, r1: int) -> torch.Tensor:
+        return dequantize(self.blocks(k)[r0:r1], self.types[k], self.n_per_row)  # (r, n) f32
+
+    # ------------------------------------------------------------------- the maths
+    def dense(self, k: int) -> torch.Tensor:
+        """Candidate ``k`` dequantized: ``shape`` float32 on the buffers' device."""
+        return dequantize(self.blocks(k), self.types[k], self.n_per_row).reshape(self.shape)
+
+    def mix(self, probs: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """``W = sum_k probs[k] * deq(Q_k)``, computed tile by tile.
+
+        Args:
+            probs: ``(K,)`` float32 (or float64) mixing weights, on the buffers' device.
+            dtype: dtype of the returned ``W``.
+
+        Returns:
+            ``shape`` tensor of ``dtype``. Accumulates in float32 (float64 if ``probs`` is
+            float64), in candidate order; equal to the dense ``probs @ cand.reshape(K, -1)``
+            within float32 rounding, and exactly for one-hot ``probs``.
+        """
+        probs = self._check_probs(probs)
+        acc_dtype = torch.float64 if probs.dtype == torch.float64 else torch.float32
+        p = probs.to(acc_dtype)
+        out = torch.empty((self.n_rows, self.n_per_row), dtype=dtype, device=self.device)
+        for r0, r1 in self._tiles():
+            acc = self._deq(0, r0, r1).to(acc_dtype) * p[0]                # (r, n_per_row)
+            for k in range(1, self.k):
+                acc.add_(self._deq(k, r0, r1).to(acc_dtype) * p[k])
+            out[r0:r1] = acc
+        return out.reshape(self.shape)
+
+    def dots(self, g: torch.Tensor) -> torch.Tensor:
+        """``<deq(Q_k), g>`` for every k, tile by tile: ``dL/dp_k`` when ``g = dL/dW``.
+
+        Args:
+            g: tensor of ``shape`` (any float dtype), on the buffers' device.
+
+        Returns:
+            ``(K,)`` float32 (float64 if ``g`` is float64); each tile's partial sums are
+            accumulated in float32 (float64).
+        """
+        if tuple(g.shape) != self.shape:
+            raise ValueError(f"g has shape {tuple(g.shape)}, the candidates {self.shape}")
+        acc_dtype = torch.float64 if g.dtype == torch.float64 else torch.float32
+        g2 = g.reshape(self.n_rows, self.n_per_row)
+        out = torch.zeros(self.k, dtype=acc_dtype, device=self.device)
+        for r0, r1 in self._tiles():
+            gt = g2[r0:r1].to(acc_dtype).reshape(-1)                        # (r * n,)
+            for k in range(self.k):
+                out[k] += torch.dot(self._deq(k, r0, r1).to(acc_dtype).reshape(-1), gt)
+        return out
+
+    def _check_probs(self, probs: torch.Tensor) -> torch.Tensor:
+        if probs.shape != (self.k,):
+            raise ValueError(f"probs has shape {tuple(probs.shape)}; expected ({self.k},), one "
+                             f"per candidate ({', '.join(self.types)})")
+        return probs
+
+    def extra_repr(self) -> str:
+        return (f"shape={self.shape}, types={list(self.types)}, "
+                f"nbytes={self.nbytes}, tile_rows={self.tile_rows}")
+
+
+class LazyMix(torch.autograd.Function):
+    """``W = sum_k p_k deq(Q_k)`` with ``dL/dp_k = <dL/dW, deq(Q_k)>``; no gradient to the bytes.
+
+    ``LazyMix.apply(cands, probs, dtype)``: ``probs`` ``(K,)`` float32/float64 -> ``W`` of
+    ``cands.shape`` and ``dtype``. Nothing but ``probs`` is saved for the backward: the
+    dequantized candidates are recomputed tile by tile there."""
+
+    @staticmethod
+    def forward(ctx, cands: QuantizedCandidates, probs: torch.Tensor, dtype: torch.dtype):
+        ctx.cands = cands
+        ctx.probs_dtype = probs.dtype
+        return cands.mix(probs, dtype)
+
+    @staticmethod
+    def backward(ctx, grad_w: torch.Tensor):
+        return None, ctx.cands.dots(grad_w).to(ctx.probs_dtype), None
+
+
+def lazy_mix(cands: QuantizedCandidates, probs: torch.Tensor,
+             dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Differentiable :meth:`QuantizedCandidates.mix` (see :class:`LazyMix`)."""
+    return LazyMix.apply(cands, probs, dtype)
