@@ -28,15 +28,17 @@ import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 
-from .llamacpp import cache_root, source_dir
+from .llamacpp import cache_root, llama_cpp_commit, source_dir
 
 __all__ = [
     "PreparedModel", "prepare_model", "load_hf_model", "default_model", "make_tiny_model",
     "gguf_to_f32", "convert_hf_to_f32_gguf", "ModelPreparationError", "sha256_file",
-    "DEFAULT_MODEL_WHEEL", "model_name_from_path",
+    "DEFAULT_MODEL_WHEEL", "model_name_from_path", "converter_info", "converter_flags",
+    "converter_options",
 ]
 
 
@@ -96,8 +98,8 @@ def model_name_from_path(path: str | os.PathLike) -> str:
 
 
 # ---------------------------------------------------------------------------- entry point
-def prepare_model(model_arg: str | os.PathLike, work_dir: str | os.PathLike | None = None
-                  ) -> PreparedModel:
+def prepare_model(model_arg: str | os.PathLike, work_dir: str | os.PathLike | None = None,
+                  converter_args: Sequence[str] = ()) -> PreparedModel:
     """Turns a model argument into a :class:`PreparedModel` (see the module docstring).
 
     Args:
@@ -105,11 +107,14 @@ def prepare_model(model_arg: str | os.PathLike, work_dir: str | os.PathLike | No
             cache.
         work_dir: where derived files go (``hf/``, ``base-f32.gguf``); default
             ``<voodoo cache>/models/<sha256 prefix of the source>/``, shared by later runs.
+        converter_args: extra ``convert_hf_to_gguf.py`` flags from the user (HF input only),
+            added to those :func:`converter_flags` finds necessary.
 
     Raises:
         ModelPreparationError: the path does not exist; it is not a causal LM; a hub id not
-            in the local cache; transformers cannot load the GGUF; llama.cpp's converter
-            refuses the folder (its reason is in the message).
+            in the local cache; transformers cannot load the GGUF; llama.cpp's converter does
+            not know the architecture (said before converting) or refuses the folder (its
+            reason is in the message).
     """
     s = os.fspath(model_arg)
     p = Path(os.path.expanduser(s))
@@ -119,7 +124,7 @@ def prepare_model(model_arg: str | os.PathLike, work_dir: str | os.PathLike | No
                 f"{p} is a file but not a .gguf; pass a .gguf file or an HF model folder")
         return _prepare_gguf(p.resolve(), work_dir)
     if p.is_dir():
-        return _prepare_hf_dir(p.resolve(), work_dir)
+        return _prepare_hf_dir(p.resolve(), work_dir, converter_args=converter_args)
     if _looks_like_hub_id(s):
         local = _hub_cached(s)
         if local is None:
@@ -128,7 +133,8 @@ def prepare_model(model_arg: str | os.PathLike, work_dir: str | os.PathLike | No
                 "hub and it is not in the local HF cache. Download it elsewhere and pass the "
                 "local folder, or pass a .gguf file (with no argument, Voodoo uses "
                 "SmolLM2-135M-Instruct from PyPI).")
-        return _prepare_hf_dir(local, work_dir, name=s.split("/")[-1])
+        return _prepare_hf_dir(local, work_dir, name=s.split("/")[-1],
+                               converter_args=converter_args)
     raise ModelPreparationError(f"{s}: no such file or folder (expected an HF model folder or "
                                 "a .gguf file)")
 
@@ -253,9 +259,12 @@ def gguf_to_f32(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
 
 
 # ------------------------------------------------------------------------------ HF input
-def _check_causal_lm(hf_dir: Path) -> dict:
-    """Reads ``config.json`` and checks that the model is a causal LM transformers knows.
-    Returns the config dict. Raises ModelPreparationError."""
+def _check_causal_lm(hf_dir: Path, converter_text_model: bool = False) -> dict:
+    """Reads ``config.json`` and checks that the model is a causal LM transformers knows: an
+    architecture in transformers' causal-LM mapping or named ``…ForCausalLM``, or a
+    ``…ForConditionalGeneration`` (a multimodal wrapper) when ``converter_text_model`` says
+    llama.cpp's converter writes a text model for it (:func:`converter_info`). Returns the
+    config dict. Raises ModelPreparationError."""
     cfg_path = hf_dir / "config.json"
     if not cfg_path.is_file():
         raise ModelPreparationError(f"{hf_dir} has no config.json; it is not an HF model folder")
@@ -263,12 +272,14 @@ def _check_causal_lm(hf_dir: Path) -> dict:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
     archs = cfg.get("architectures") or []
     known = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
-    ok = (any(a in known or a.endswith("ForCausalLM") for a in archs) if archs
-          else cfg.get("model_type") in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    ok = (any(a in known or a.endswith("ForCausalLM") or
+              (converter_text_model and a.endswith("ForConditionalGeneration")) for a in archs)
+          if archs else cfg.get("model_type") in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
     if not ok:
         raise ModelPreparationError(
             f"{hf_dir} holds a {', '.join(archs) or cfg.get('model_type')!s}, not a causal "
-            "language model; Voodoo quantizes causal LMs (…ForCausalLM)")
+            "language model; Voodoo quantizes causal LMs (…ForCausalLM, or a multimodal "
+            "…ForConditionalGeneration whose language model llama.cpp's converter writes)")
     return cfg
 
 
@@ -282,20 +293,178 @@ def _dir_key(d: Path) -> str:
     return h.hexdigest()[:16]
 
 
-def _prepare_hf_dir(d: Path, work_dir, name: str | None = None) -> PreparedModel:
-    _check_causal_lm(d)
-    out = _cache_dir(_dir_key(d), work_dir)
+def _prepare_hf_dir(d: Path, work_dir, name: str | None = None,
+                    converter_args: Sequence[str] = ()) -> PreparedModel:
+    cfg_path = d / "config.json"
+    if not cfg_path.is_file():
+        raise ModelPreparationError(f"{d} has no config.json; it is not an HF model folder")
+    cfg = json.loads(cfg_path.read_text())
+    info = converter_info(cfg)           # fails early, naming the architecture, if unknown
+    _check_causal_lm(d, converter_text_model=info["supported"])
+    if info["mmproj"]:
+        _log(f"{info['architecture']} is multimodal: Voodoo quantizes the language model that "
+             "llama.cpp's converter writes to the main GGUF; the vision/audio part is left to "
+             "llama.cpp's --mmproj route (convert_hf_to_gguf.py --mmproj, then llama-mtmd-cli "
+             "--mmproj), unquantized by Voodoo")
+    flags = converter_options(cfg, converter_args, info)
+    key = _dir_key(d)
+    if flags:
+        key = hashlib.sha256(f"{key}\0{json.dumps(flags)}".encode()).hexdigest()[:16]
+    out = _cache_dir(key, work_dir)
     base = out / "base-f32.gguf"
     if not base.is_file():
-        convert_hf_to_f32_gguf(d, base)
+        convert_hf_to_f32_gguf(d, base, extra_args=flags)
     return PreparedModel(d, base, base, name or model_name_from_path(d), "hf")
 
 
+# ------------------------------------------------------------------- the pinned converter
+_CONVERTER_INFO_SCRIPT = r"""
+import json, sys
+from pathlib import Path
+src = sys.argv[1]
+sys.path.insert(0, src)
+sys.path.insert(1, str(Path(src) / "gguf-py"))
+from conversion import ModelType, get_model_architecture, get_model_class
+for hparams in json.loads(sys.stdin.read()):
+    arch = get_model_architecture(hparams, ModelType.TEXT)
+    out = {"architecture": arch, "supported": False, "mmproj": False, "model_class": None,
+           "supports_mtp_export": False}
+    try:
+        cls = get_model_class(arch)
+        out.update(supported=True, model_class=cls.__name__,
+                   supports_mtp_export=bool(getattr(cls, "supports_mtp_export", False)))
+    except NotImplementedError:
+        pass
+    try:
+        get_model_class(arch, mmproj=True)
+        out["mmproj"] = True
+    except (NotImplementedError, KeyError):
+        pass
+    print("CONVERTER_INFO " + json.dumps(out), flush=True)
+"""
+
+_INFO_CACHE: dict[tuple[str, str], dict] = {}
+
+
+def _probe_converter(configs: Sequence[dict], src: Path) -> None:
+    """Fills ``_INFO_CACHE`` for ``configs`` with one subprocess that imports the converter's
+    package (``conversion``, with its own gguf-py; ~3-6 s, mostly importing torch)."""
+    todo = [c for c in configs
+            if (str(src), json.dumps(c, sort_keys=True, default=str)) not in _INFO_CACHE]
+    if not todo:
+        return
+    env = dict(os.environ)
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.pop("PYTHONPATH", None)
+    r = subprocess.run([sys.executable, "-c", _CONVERTER_INFO_SCRIPT, str(src)],
+                       input=json.dumps(todo, default=str), env=env, stdout=subprocess.PIPE,
+                       stderr=subprocess.STDOUT, text=True, cwd=src)
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("CONVERTER_INFO ")]
+    if r.returncode or len(lines) != len(todo):
+        tail = "\n".join(r.stdout.strip().splitlines()[-12:])
+        raise ModelPreparationError(
+            f"could not ask llama.cpp's converter ({src / 'convert_hf_to_gguf.py'}) about "
+            f"this model:\n{tail}")
+    flags = _converter_cli_flags(src)
+    for cfg, ln in zip(todo, lines):
+        info = json.loads(ln[len("CONVERTER_INFO "):])
+        info.update(converter=str(src / "convert_hf_to_gguf.py"), flags=flags)
+        _INFO_CACHE[(str(src), json.dumps(cfg, sort_keys=True, default=str))] = info
+
+
+def converter_info(hf_config: dict, src_dir: str | os.PathLike | None = None,
+                   also: Sequence[dict] = ()) -> dict:
+    """What the pinned ``convert_hf_to_gguf.py`` would do with a config, without converting:
+    its own ``get_model_architecture`` and model-class registry (``conversion.get_model_class``,
+    which is what ``ModelBase.register`` fills), asked in a subprocess that imports the
+    converter's package with its own gguf-py (a few seconds; cached per config).
+
+    Args:
+        hf_config: the HF ``config.json`` as a dict.
+        src_dir: the llama.cpp source tree (default :func:`voodoo.llamacpp.source_dir`).
+        also: more configs to ask about in the same subprocess (cached for later calls).
+
+    Returns ``{"architecture": the HF architecture the converter picks (e.g. the text
+    architecture of a wrapper), "supported": a TEXT model class is registered for it,
+    "model_class": its name or None, "supports_mtp_export": the class honours --no-mtp,
+    "mmproj": a vision/audio (MMPROJ) class is registered too (a multimodal checkpoint),
+    "converter": path of convert_hf_to_gguf.py, "flags": the converter's command-line flags}``.
+
+    Raises:
+        ModelPreparationError: the converter does not know the architecture (the message names
+            the architecture and the converter), or the probe itself failed.
+        voodoo.llamacpp.LlamaCppNotBuilt: the source is not fetched.
+    """
+    src = Path(src_dir) if src_dir is not None else source_dir()
+    _probe_converter([hf_config, *also], src)
+    info = dict(_INFO_CACHE[(str(src), json.dumps(hf_config, sort_keys=True, default=str))])
+    if not info["supported"]:
+        raise ModelPreparationError(
+            f"llama.cpp's converter does not support {info['architecture']}: "
+            f"{info['converter']} (llama.cpp {llama_cpp_commit()}) registers no text model "
+            "class for it, so llama.cpp cannot run this model and Voodoo cannot quantize it. "
+            "Pass a .gguf of the model made by a llama.cpp that supports it")
+    return info
+
+
+def _converter_cli_flags(src: Path) -> list[str]:
+    """The ``--flags`` that ``convert_hf_to_gguf.py``'s argparse declares (read from its
+    source: every quoted ``--name`` inside ``add_argument(...)``)."""
+    text = (src / "convert_hf_to_gguf.py").read_text(errors="replace")
+    flags: list[str] = []
+    for call in re.finditer(r"add_argument\((.*?)\)", text, re.S):
+        flags += re.findall(r"[\"'](--[\w-]+)[\"']", call.group(1))
+    return sorted(set(flags))
+
+
+def converter_flags(hf_config: dict, src_dir: str | os.PathLike | None = None,
+                    info: dict | None = None) -> list[str]:
+    """The converter flags a model needs so that the F32 GGUF holds the model transformers
+    runs, decided from the converter itself (:func:`converter_info`), not from a table of
+    architectures:
+
+    * ``--no-mtp``: when the converter declares it and the model's converter class
+      ``supports_mtp_export``. transformers never runs multi-token-prediction (MTP/NextN)
+      heads, so the GGUF must not carry them; and a checkpoint saved by transformers has no
+      ``mtp.*`` tensors, which such classes otherwise require (Qwen3-Next's class asserts it
+      found some). Measured on the pinned converter: a tiny Qwen3NextForCausalLM fails to
+      convert without it and converts (and agrees with transformers) with it.
+
+    Args: ``hf_config`` (config.json dict), ``src_dir`` (llama.cpp source), ``info`` (a
+    :func:`converter_info` result, to skip the probe). Returns a list of flags (often empty).
+    Raises what :func:`converter_info` raises."""
+    info = info if info is not None else converter_info(hf_config, src_dir)
+    flags = []
+    if "--no-mtp" in info["flags"] and info["supports_mtp_export"]:
+        flags.append("--no-mtp")
+    return flags
+
+
+def converter_options(hf_config: dict, user_args: Sequence[str] = (),
+                      info: dict | None = None) -> list[str]:
+    """:func:`converter_flags` plus the user's own converter flags (``user_args``, appended,
+    duplicates dropped). Raises ModelPreparationError when a user flag is not one the pinned
+    converter declares (naming the flag and the converter)."""
+    info = info if info is not None else converter_info(hf_config)
+    flags = converter_flags(hf_config, info=info)
+    for a in user_args:
+        if a.startswith("--") and a.split("=", 1)[0] not in info["flags"]:
+            raise ModelPreparationError(
+                f"{a.split('=', 1)[0]} is not a flag of llama.cpp's converter "
+                f"{info['converter']}; its flags: {' '.join(info['flags'])}")
+        if a not in flags:
+            flags.append(a)
+    return flags
+
+
 def convert_hf_to_f32_gguf(hf_dir: str | os.PathLike, out: str | os.PathLike,
-                           timeout: float | None = 3600) -> Path:
-    """Runs the pinned llama.cpp's ``convert_hf_to_gguf.py <hf_dir> --outtype f32`` (with
-    ``PYTHONPATH=<src>/gguf-py`` so it uses its own gguf-py), to a temporary file renamed to
-    ``out``. Returns ``out``.
+                           timeout: float | None = 3600,
+                           extra_args: Sequence[str] = ()) -> Path:
+    """Runs the pinned llama.cpp's ``convert_hf_to_gguf.py <hf_dir> --outtype f32
+    [extra_args]`` (with ``PYTHONPATH=<src>/gguf-py`` so it uses its own gguf-py), to a
+    temporary file renamed to ``out``. Returns ``out``.
+
+    ``extra_args``: more converter flags, e.g. :func:`converter_flags`'s ``--no-mtp``.
 
     Raises:
         voodoo.llamacpp.LlamaCppNotBuilt: the llama.cpp source is not fetched.
@@ -313,7 +482,7 @@ def convert_hf_to_f32_gguf(hf_dir: str | os.PathLike, out: str | os.PathLike,
         [env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     env.setdefault("HF_HUB_OFFLINE", "1")
     cmd = [sys.executable, str(src / "convert_hf_to_gguf.py"), str(hf_dir), "--outtype", "f32",
-           "--outfile", tmp]
+           "--outfile", tmp, *extra_args]
     _log(f"converting {hf_dir} to an F32 GGUF with llama.cpp's convert_hf_to_gguf.py")
     try:
         r = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -353,11 +522,23 @@ def load_hf_model(prepared: PreparedModel | str | os.PathLike, dtype=None):
         prepared: a :class:`PreparedModel` or an HF folder path.
         dtype: torch dtype of the parameters (default ``torch.float32``).
 
+    A multimodal wrapper that ``AutoModelForCausalLM`` does not map (a
+    ``…ForConditionalGeneration`` accepted by :func:`_check_causal_lm`) is loaded with the
+    class its ``config.json`` names; its forward on ``input_ids`` alone is the language model.
+
     Returns the ``transformers`` model (on CPU)."""
     import torch
+    import transformers
     from transformers import AutoModelForCausalLM
     d = prepared.hf_dir if isinstance(prepared, PreparedModel) else Path(prepared)
-    model = AutoModelForCausalLM.from_pretrained(d, dtype=dtype or torch.float32)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(d, dtype=dtype or torch.float32)
+    except ValueError:
+        archs = json.loads((d / "config.json").read_text()).get("architectures") or []
+        cls = getattr(transformers, archs[0], None) if archs else None
+        if cls is None or not archs[0].endswith("ForConditionalGeneration"):
+            raise
+        model = cls.from_pretrained(d, dtype=dtype or torch.float32)
     model.eval()
     return model
 

@@ -1,0 +1,173 @@
+"""voodoo.agreement: the base-logits writer, and llama.cpp vs transformers on the same tokens."""
+
+from __future__ import annotations
+
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from voodoo.agreement import (AgreementError, KLD_MAGIC, _nv, chunk_tokens, gguf_vocab,
+                              llama_vs_torch, preflight, read_kld_base, torch_logits,
+                              write_kld_base)
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+
+def _tools():
+    from voodoo.llamacpp import LlamaCppNotBuilt, tool_path
+    try:
+        tool_path("llama-perplexity")
+    except LlamaCppNotBuilt as e:
+        pytest.skip(str(e))
+
+
+# ---------------------------------------------------------------------------------- writer
+def test_writer_round_trip_is_within_the_formats_16_bit_step(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    n_chunk, n_ctx, n_vocab = 3, 16, 1001                 # odd vocab: one padding slot
+    tokens = torch.randint(0, n_vocab, (n_chunk, n_ctx), generator=g)
+    logits = torch.randn(n_chunk, n_ctx, n_vocab, generator=g) * 4
+    logits[0, 9, 5] = 60.0                                # a row whose range is clamped at 16
+    p = write_kld_base(tmp_path / "x.kld", tokens, logits)
+    n_pos = n_ctx - 1 - n_ctx // 2
+    assert p.stat().st_size == 8 + 12 + 4 * n_chunk * n_ctx + 2 * n_chunk * n_pos * _nv(n_vocab)
+    raw = p.read_bytes()
+    assert raw[:8] == KLD_MAGIC
+    assert struct.unpack_from("<Iii", raw, 8) == (n_ctx, n_vocab, n_chunk)
+
+    tok2, lp = read_kld_base(p)
+    assert torch.equal(tok2, tokens)
+    assert lp.shape == (n_chunk, n_pos, n_vocab)
+    ref = torch.log_softmax(logits[:, n_ctx // 2:n_ctx - 1].double(), -1)     # (C, P, V)
+    top = ref.max(-1, keepdim=True).values
+    inside = ref > top - 16                                 # stored exactly up to the step
+    step = 16.0 / 65535                                     # largest possible scale
+    err = (lp.double() - ref).abs()
+    assert err[inside].max().item() <= step / 2 + 1e-5
+    # below the 16-nat floor every entry decodes to the floor (never above the truth + step)
+    assert (lp.double()[~inside] <= ref.max(-1, keepdim=True).values.expand_as(ref)[~inside]
+            - 16 + 1e-4).all()
+    # argmax survives the compression
+    assert torch.equal(lp.argmax(-1), ref.argmax(-1))
+
+
+def test_writer_rejects_mismatched_shapes(tmp_path):
+    with pytest.raises(ValueError, match="n_chunk, n_ctx"):
+        write_kld_base(tmp_path / "x.kld", torch.zeros(2, 8, dtype=torch.long),
+                       torch.zeros(2, 7, 10))
+
+
+def test_chunk_tokens():
+    t = chunk_tokens(list(range(300)), 128)
+    assert t.shape == (2, 128) and t[1, 0].item() == 128
+    with pytest.raises(ValueError):
+        chunk_tokens(list(range(100)), 128)
+
+
+# ------------------------------------------------------------------------ against llama.cpp
+@pytest.fixture(scope="module")
+def tiny_hf(tiny_prepared):
+    from voodoo.models import load_hf_model
+    return load_hf_model(tiny_prepared)
+
+
+@pytest.fixture(scope="module")
+def tiny_tokens():
+    g = torch.Generator().manual_seed(1)
+    return torch.randint(3, 49152, (4, 128), generator=g)       # 4 chunks x 128, 252 scored
+
+
+def test_our_file_matches_llama_cpps_own_writer(tiny_prepared, tiny_hf, tmp_path):
+    """llama-perplexity --kl-divergence-base writes a file from llama.cpp's logits on some
+    text; ours from torch logits on the tokens stored in it must have the same header and
+    tokens, and log-probs equal within the format's step (the F32 GGUF is the same model)."""
+    _tools()
+    from voodoo.evaluate import _run_tool
+    from voodoo.llamacpp import tool_path
+    text = tmp_path / "text.txt"
+    text.write_text((Path(__file__).resolve().parents[1] / "README.md").read_text() * 2)
+    theirs = tmp_path / "llama.kld"
+    _run_tool([str(tool_path("llama-perplexity")), "-m", str(tiny_prepared.base_gguf),
+               "-f", str(text), "-c", "64", "--chunks", "2", "--kl-divergence-base",
+               str(theirs)], 600)
+    tok, lp_llama = read_kld_base(theirs)
+    vocab = gguf_vocab(tiny_prepared.base_gguf)
+    assert vocab["n_vocab"] == 49152
+    run = tok.clone()
+    if vocab["add_bos"]:
+        run[:, 0] = vocab["bos"]
+    ours = write_kld_base(tmp_path / "torch.kld", tok, torch_logits(tiny_hf, run))
+    assert ours.read_bytes()[:20 + 4 * tok.numel()] == theirs.read_bytes()[:20 + 4 * tok.numel()]
+    assert ours.stat().st_size == theirs.stat().st_size
+    _, lp_torch = read_kld_base(ours)
+    assert (lp_torch - lp_llama).abs().max().item() < 2e-3
+
+
+def test_tiny_llama_f32_gguf_agrees_with_transformers(tiny_prepared, tiny_hf, tiny_tokens):
+    _tools()
+    res = preflight(tiny_hf, tiny_prepared.base_gguf, tiny_tokens)
+    print(f"tiny llama: KLD {res['kld_mean']:.3g}, 99.9% {res['kld_99_9']:.3g}, "
+          f"same top-p {res['same_top_p']:.4f}")
+    assert res["n_tokens"] == 4 * 63
+    assert abs(res["kld_mean"]) < 1e-4
+    assert res["kld_99_9"] < 1e-3
+    assert res["same_top_p"] > 0.99
+    # the BOS llama.cpp puts first is what torch saw
+    assert (res["tokens"][:, 0] == gguf_vocab(tiny_prepared.base_gguf)["bos"]).all()
+
+
+def test_a_perturbed_model_fails_the_preflight(tiny_prepared, tiny_hf, tiny_tokens):
+    """One weight changed on the torch side (the final norm x 8): llama.cpp's F32 GGUF no
+    longer computes that model, and the check says so with a large KL."""
+    _tools()
+    import copy
+    wrong = copy.deepcopy(tiny_hf)
+    with torch.no_grad():
+        wrong.model.norm.weight.mul_(8.0)
+    with pytest.raises(AgreementError, match="--skip_preflight") as ei:
+        preflight(wrong, tiny_prepared.base_gguf, tiny_tokens)
+    assert ei.value.result["kld_mean"] > 0.05
+    assert "KLD Voodoo optimises" in str(ei.value) or "optimises the KLD" in str(ei.value)
+
+
+def test_unpermuted_q_fails_the_check(tmp_path_factory, tiny_tokens):
+    """The converter permutes Q/K rows for llama.cpp's rope; a torch model that holds the
+    converter's (permuted) rows computes another model: large KL (zoo llama, spread weights)."""
+    _tools()
+    from zoo import make_tiny
+
+    from voodoo.models import convert_hf_to_f32_gguf, load_hf_model
+    d = make_tiny("llama")
+    gguf = convert_hf_to_f32_gguf(d, tmp_path_factory.mktemp("agree") / "llama.gguf")
+    m = load_hf_model(d)
+    ok = llama_vs_torch(gguf, m, tiny_tokens)
+    assert abs(ok["kld_mean"]) < 1e-4 and ok["same_top_p"] > 0.99
+    att = m.model.layers[0].self_attn
+    n_head, hd = m.config.num_attention_heads, m.config.head_dim
+    with torch.no_grad():                       # llama.cpp's permute (convert_hf_to_gguf)
+        w = att.q_proj.weight
+        w.copy_(w.reshape(n_head, 2, hd // 2, -1).swapaxes(1, 2).reshape(w.shape))
+    bad = llama_vs_torch(gguf, m, tiny_tokens)
+    print(f"zoo llama: right {ok['kld_mean']:.3g}, Q permuted {bad['kld_mean']:.3g}")
+    assert bad["kld_mean"] > 100 * max(ok["kld_mean"], 1e-5)
+    assert bad["kld_mean"] > 1e-3
+
+
+def test_logits_input_must_have_bos_where_llama_cpp_puts_it(tiny_prepared, tiny_tokens):
+    v = gguf_vocab(tiny_prepared.base_gguf)
+    if not v["add_bos"]:
+        pytest.skip("vocabulary adds no BOS")
+    t = tiny_tokens.clone()
+    t[:, 0] = v["bos"] + 1
+    with pytest.raises(ValueError, match="BOS"):
+        llama_vs_torch(tiny_prepared.base_gguf, torch.zeros(4, 128, 49152), t)
+
+
+def test_too_few_positions_is_refused(tiny_prepared):
+    with pytest.raises(ValueError, match="100"):
+        llama_vs_torch(tiny_prepared.base_gguf, torch.zeros(1, 128, 49152),
+                       torch.ones(1, 128, dtype=torch.long))

@@ -1,0 +1,364 @@
+"""Does llama.cpp compute the model transformers computes? KLD of llama.cpp's logits on a GGUF
+against torch logits on the very same tokens.
+
+The trick: ``llama-perplexity --kl-divergence`` reads a *base logits* file (the one
+``--kl-divergence-base`` writes) and evaluates the **tokens stored in that file**. So Voodoo
+writes such a file itself from torch logits (:func:`write_kld_base`, the binary format of
+``tools/perplexity/perplexity.cpp`` in the pinned llama.cpp), runs
+``llama-perplexity -m F.gguf --kl-divergence-base ours.kld --kl-divergence -c N`` and reads its
+mean KLD, 99.9% KLD and "same top p" (:func:`llama_vs_torch`). No text, no tokenizer: llama.cpp
+sees token ids only.
+
+What llama-perplexity scores (``kl_divergence()`` in ``perplexity.cpp``): the tokens are cut in
+``n_chunk`` chunks of ``n_ctx``; each chunk runs from an empty KV cache, its first token replaced
+by BOS when the vocabulary adds one (``tokenizer.ggml.add_bos_token``), and only the distributions
+at positions ``n_ctx/2 .. n_ctx-2`` (those predicting the second half) are compared:
+``n_ctx - 1 - n_ctx/2`` per chunk. It prints statistics only from 100 scored positions on.
+
+Units: KLD in **nats per token**, ``same_top_p`` a **fraction** in [0, 1].
+
+:func:`preflight` is the check Voodoo runs before training: transformers' model and llama.cpp's
+F32 GGUF of it must agree, or the KLD Voodoo optimises (torch) is not what llama.cpp serves.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import tempfile
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from .evaluate import PerplexityError, _run_tool, _tail, parse_perplexity_output
+from .llamacpp import tool_path
+
+__all__ = ["write_kld_base", "read_kld_base", "torch_logits", "chunk_tokens", "gguf_vocab",
+           "llama_vs_torch", "preflight", "AgreementError", "KLD_MAGIC",
+           "DEFAULT_PREFLIGHT_MAX_KLD", "DEFAULT_PREFLIGHT_CTX", "DEFAULT_PREFLIGHT_CHUNKS"]
+
+#: The base-logits file's first 8 bytes (``perplexity()`` / ``kl_divergence()``).
+KLD_MAGIC = b"_logits_"
+#: Width of the compressed log-prob range: ``log_softmax(..., uint16_t *)`` clamps the smallest
+#: logit to ``max - 16`` and stores ``round((logit - min) / scale)`` with ``scale = range/65535``.
+_LOGIT_RANGE = 16.0
+
+#: Pre-flight threshold on the mean KLD (nats/token). An F32 GGUF that computes the same model
+#: as transformers measures ~1e-6 (float32 rounding and the base file's 16-bit log-probs); the
+#: configurations llama.cpp silently computes differently measured 3e-3 .. 0.5.
+DEFAULT_PREFLIGHT_MAX_KLD = 1e-3
+#: Pre-flight shape: 4 chunks of 128 tokens (512 tokens, 252 scored positions; seconds).
+DEFAULT_PREFLIGHT_CTX = 128
+DEFAULT_PREFLIGHT_CHUNKS = 4
+
+
+class AgreementError(RuntimeError):
+    """llama.cpp's F32 GGUF and the transformers model compute different distributions.
+
+    Attributes: ``result`` (the :func:`llama_vs_torch` dict)."""
+
+    def __init__(self, message: str, result: dict):
+        super().__init__(message)
+        self.result = result
+
+
+# ---------------------------------------------------------------------------- the file format
+def _nv(n_vocab: int) -> int:
+    """uint16 slots per scored position: 4 (two float32: scale, min log-prob) + n_vocab, rounded
+    up to even (``nv = 2*((n_vocab + 1)/2) + 4`` in perplexity.cpp)."""
+    return 2 * ((n_vocab + 1) // 2) + 4
+
+
+def _compress(logits: np.ndarray) -> np.ndarray:
+    """Compressed log-probs of rows of logits, as perplexity.cpp's
+    ``log_softmax(int n_vocab, const float * logits, uint16_t * log_prob, int tok)`` writes them.
+
+    ``logits``: float32 (n, n_vocab). Returns uint16 (n, nv): slots 0-3 hold float32 ``scale``
+    and ``min_log_prob``; slot ``4 + i`` holds ``round((logit_i - min_logit) / scale)`` (0 for
+    logits at or below ``min_logit = max(min, max - 16)``); log p_i is decoded as
+    ``scale * q_i + min_log_prob``. Arithmetic in float32 like the C++ (``expf`` sums in double,
+    round-half-to-even like its ``nearest_int``)."""
+    x = np.ascontiguousarray(logits, dtype=np.float32)                  # (n, V)
+    n, v = x.shape
+    mx = x.max(axis=1)                                                   # (n,)
+    mn = np.maximum(x.min(axis=1), mx - np.float32(_LOGIT_RANGE))        # (n,)
+    sum_exp = np.exp(x - mx[:, None]).astype(np.float64).sum(axis=1)     # (n,) double
+    lse = np.log(sum_exp).astype(np.float32)
+    min_log_prob = (mn - mx - lse).astype(np.float32)
+    scale = ((mx - mn) / np.float32(65535.0)).astype(np.float32)
+    out = np.zeros((n, _nv(v)), dtype=np.uint16)
+    head = np.stack([scale, min_log_prob], axis=1).astype("<f4")         # (n, 2)
+    out[:, :4] = head.view("<u2").reshape(n, 4)
+    nz = scale != 0
+    if nz.any():
+        inv = (np.float32(1.0) / np.where(nz, scale, np.float32(1.0))).astype(np.float32)
+        q = np.rint(inv[:, None] * (x - mn[:, None])).astype(np.float32)  # (n, V)
+        q = np.where(x > mn[:, None], q, 0).clip(0, 65535)
+        q[~nz] = 0
+        out[:, 4:4 + v] = q.astype(np.uint16)
+    return out
+
+
+def _decompress(rec: np.ndarray, n_vocab: int) -> np.ndarray:
+    """uint16 (n, nv) records -> float32 log-probs (n, n_vocab), as ``kl_divergence()`` decodes
+    them (``scale * q + min_log_prob``)."""
+    head = np.ascontiguousarray(rec[:, :4]).view("<f4")                  # (n, 2)
+    scale, mlp = head[:, :1], head[:, 1:2]
+    return (scale * rec[:, 4:4 + n_vocab].astype(np.float32) + mlp).astype(np.float32)
+
+
+def write_kld_base(path: str | os.PathLike, tokens: torch.Tensor, logits: torch.Tensor) -> Path:
+    """Writes a llama-perplexity base-logits file (``--kl-divergence-base``) from torch logits.
+
+    Format (``perplexity()`` in tools/perplexity/perplexity.cpp, little-endian): ``b"_logits_"``;
+    uint32 ``n_ctx``; int32 ``n_vocab``; int32 ``n_chunk``; int32 tokens ``(n_chunk * n_ctx)``;
+    then per chunk, for positions ``n_ctx/2 .. n_ctx-2``, one record of ``nv`` uint16 (see
+    :func:`_compress`; lossy: each log-prob within ``scale/2 <= 16/131070 ≈ 1.2e-4`` nats,
+    log-probs more than 16 below the top one are stored as the floor).
+
+    Args:
+        path: output file, written atomically (temporary name + ``os.replace``).
+        tokens: LongTensor ``(n_chunk, n_ctx)``: the token ids llama.cpp will evaluate. When the
+            GGUF's vocabulary adds a BOS, llama.cpp replaces each chunk's first token by BOS,
+            so ``logits`` must have been computed with BOS there (:func:`llama_vs_torch` does).
+        logits: FloatTensor ``(n_chunk, n_ctx, n_vocab)`` (any float dtype; used as float32):
+            the model's next-token logits at every position of ``tokens``; only positions
+            ``n_ctx/2 .. n_ctx-2`` are stored.
+
+    Returns ``path``. Raises ValueError on mismatched shapes or ``n_ctx < 4``."""
+    tokens = torch.as_tensor(tokens)
+    if tokens.dim() != 2 or logits.dim() != 3 or tuple(logits.shape[:2]) != tuple(tokens.shape):
+        raise ValueError(f"tokens must be (n_chunk, n_ctx) and logits (n_chunk, n_ctx, n_vocab); "
+                         f"got {tuple(tokens.shape)} and {tuple(logits.shape)}")
+    n_chunk, n_ctx = tokens.shape
+    n_vocab = logits.shape[2]
+    if n_ctx < 4:
+        raise ValueError(f"n_ctx={n_ctx} is too small (llama-perplexity scores n_ctx-1-n_ctx/2 "
+                         "positions per chunk)")
+    first = n_ctx // 2
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(KLD_MAGIC)
+            f.write(struct.pack("<Iii", n_ctx, n_vocab, n_chunk))
+            f.write(tokens.to(torch.int32).contiguous().numpy().astype("<i4").tobytes())
+            for c in range(n_chunk):
+                x = logits[c, first:n_ctx - 1].detach().to("cpu", torch.float32).numpy()
+                f.write(_compress(x).astype("<u2").tobytes())
+        from .fsutil import file_mode
+        os.chmod(tmp, file_mode())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def read_kld_base(path: str | os.PathLike) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reads a base-logits file (ours or llama-perplexity's ``--kl-divergence-base``).
+
+    Returns ``(tokens, log_probs)``: LongTensor ``(n_chunk, n_ctx)`` and FloatTensor
+    ``(n_chunk, n_ctx - 1 - n_ctx/2, n_vocab)`` of decoded log-probs (nats) at positions
+    ``n_ctx/2 .. n_ctx-2``. Raises ValueError when the file is not one."""
+    data = Path(path).read_bytes()
+    if data[:8] != KLD_MAGIC:
+        raise ValueError(f"{path} does not start with {KLD_MAGIC!r}; not a base-logits file")
+    n_ctx, n_vocab, n_chunk = struct.unpack_from("<Iii", data, 8)
+    off = 20
+    tok = np.frombuffer(data, "<i4", n_chunk * n_ctx, off).reshape(n_chunk, n_ctx)
+    off += 4 * n_chunk * n_ctx
+    n_pos, nv = n_ctx - 1 - n_ctx // 2, _nv(n_vocab)
+    want = off + 2 * n_chunk * n_pos * nv
+    if len(data) < want:
+        raise ValueError(f"{path} is truncated: {len(data)} bytes, expected {want}")
+    rec = np.frombuffer(data, "<u2", n_chunk * n_pos * nv, off).reshape(n_chunk * n_pos, nv)
+    lp = _decompress(rec, n_vocab).reshape(n_chunk, n_pos, n_vocab)
+    return torch.from_numpy(tok.astype(np.int64)), torch.from_numpy(lp)
+
+
+# ------------------------------------------------------------------------------------- torch
+def chunk_tokens(ids: Sequence[int] | torch.Tensor, n_ctx: int, n_chunk: int | None = None
+                 ) -> torch.Tensor:
+    """Cuts a 1-D token sequence into ``(n_chunk, n_ctx)`` as llama-perplexity does (whole
+    chunks only; ``n_chunk`` at most ``len(ids) // n_ctx``). Raises ValueError when not even one
+    chunk fits."""
+    ids = torch.as_tensor(ids, dtype=torch.long).flatten()
+    k = ids.numel() // n_ctx if n_chunk is None else min(n_chunk, ids.numel() // n_ctx)
+    if k < 1:
+        raise ValueError(f"{ids.numel()} tokens hold no chunk of {n_ctx}")
+    return ids[:k * n_ctx].view(k, n_ctx)
+
+
+@torch.no_grad()
+def torch_logits(model: torch.nn.Module, tokens: torch.Tensor, batch_size: int = 1
+                 ) -> torch.Tensor:
+    """The model's logits at every position, each chunk from scratch (no cache), as llama.cpp
+    runs each chunk from an empty KV cache.
+
+    ``tokens``: LongTensor ``(n_chunk, n_ctx)``. Returns FloatTensor ``(n_chunk, n_ctx,
+    n_vocab)`` float32 on CPU (``model(input_ids=...).logits``). The model's training mode is
+    restored afterwards."""
+    was = model.training
+    model.eval()
+    dev = next(model.parameters()).device
+    out = []
+    try:
+        for i in range(0, tokens.shape[0], batch_size):
+            ids = tokens[i:i + batch_size].to(dev)                            # (B, T)
+            out.append(model(input_ids=ids, use_cache=False).logits.float().cpu())  # (B, T, V)
+    finally:
+        model.train(was)
+    return torch.cat(out)
+
+
+# ------------------------------------------------------------------------------------- GGUF
+def gguf_vocab(gguf_path: str | os.PathLike) -> dict:
+    """What llama.cpp will make of a GGUF's vocabulary: ``{"n_vocab": len(tokenizer.ggml.tokens),
+    "bos": tokenizer.ggml.bos_token_id or None, "add_bos": tokenizer.ggml.add_bos_token or
+    None (absent)}``. Reads the metadata only (gguf-py's ``GGUFReader``)."""
+    from gguf import GGUFReader
+    r = GGUFReader(gguf_path)
+
+    def get(key):
+        f = r.fields.get(key)
+        return None if f is None else f.contents()
+
+    toks = r.fields.get("tokenizer.ggml.tokens")
+    return {"n_vocab": len(toks.data) if toks is not None else None,
+            "bos": get("tokenizer.ggml.bos_token_id"),
+            "add_bos": get("tokenizer.ggml.add_bos_token")}
+
+
+def _with_bos(tokens: torch.Tensor, vocab: dict) -> torch.Tensor:
+    """``tokens`` with each chunk's first token set to the GGUF's BOS when it has one: then
+    llama.cpp evaluates this exact sequence whether or not its vocabulary adds a BOS (it puts
+    that same BOS there, or leaves the token as is)."""
+    if vocab["bos"] is None:
+        return tokens
+    t = tokens.clone()
+    t[:, 0] = int(vocab["bos"])
+    return t
+
+
+# --------------------------------------------------------------------------------- the check
+def llama_vs_torch(gguf_path: str | os.PathLike, model_or_logits, tokens: torch.Tensor,
+                   threads: int | None = None, timeout: float | None = 600,
+                   work_dir: str | os.PathLike | None = None) -> dict:
+    """KLD of llama.cpp's distributions on ``gguf_path`` against torch's on the same tokens.
+
+    Args:
+        gguf_path: the GGUF llama.cpp runs (e.g. the converter's F32 GGUF of the HF model).
+        model_or_logits: a transformers causal LM (its logits are computed here with
+            :func:`torch_logits`, on ``tokens`` with each chunk's first token set to the GGUF's
+            BOS, see :func:`_with_bos`), or a FloatTensor ``(n_chunk, n_ctx, n_vocab)`` of
+            logits already computed on exactly the tokens llama.cpp will evaluate (first token
+            of each chunk = BOS when the vocabulary adds one).
+        tokens: LongTensor ``(n_chunk, n_ctx)``, ``n_chunk * (n_ctx - 1 - n_ctx/2) >= 100``
+            (llama-perplexity prints no statistics below 100 scored positions).
+        threads: llama.cpp's ``-t`` (default: its own).
+        timeout: seconds for the llama-perplexity run.
+        work_dir: where the base-logits file goes (default: a temporary folder, removed).
+
+    Returns ``{"kld_mean", "kld_err", "kld_99_9", "kld_99", "kld_median", "kld_max"`` (nats per
+    token, KL(torch ‖ llama.cpp)), ``"same_top_p"`` (fraction of positions where the argmaxes
+    agree), ``"ppl_torch", "ppl_llama"``, ``"n_tokens"`` (scored positions), ``"n_ctx",
+    "n_chunk", "n_vocab", "tokens"`` (the evaluated LongTensor)``}``.
+
+    Raises:
+        ValueError: bad shapes, too few scored positions, or a vocabulary size that differs
+            between the logits and the GGUF (llama.cpp would only log it and compare garbage).
+        voodoo.llamacpp.LlamaCppNotBuilt: llama-perplexity is not built.
+        voodoo.evaluate.PerplexityError: llama-perplexity failed or printed no KLD.
+    """
+    gguf_path = Path(gguf_path)
+    if not gguf_path.is_file():
+        raise FileNotFoundError(gguf_path)
+    tokens = torch.as_tensor(tokens, dtype=torch.long)
+    if tokens.dim() != 2:
+        raise ValueError(f"tokens must be (n_chunk, n_ctx); got shape {tuple(tokens.shape)}")
+    n_chunk, n_ctx = tokens.shape
+    n_scored = n_chunk * (n_ctx - 1 - n_ctx // 2)
+    if n_scored < 100:
+        raise ValueError(f"{n_chunk} chunks of {n_ctx} tokens score only {n_scored} positions; "
+                         "llama-perplexity prints its KLD statistics from 100 on (use more or "
+                         "longer chunks)")
+    vocab = gguf_vocab(gguf_path)
+    if isinstance(model_or_logits, torch.Tensor):
+        logits = model_or_logits
+        if vocab["add_bos"] and vocab["bos"] is not None and \
+                bool((tokens[:, 0] != int(vocab["bos"])).any()):
+            raise ValueError(f"{gguf_path.name} adds BOS (id {vocab['bos']}): llama.cpp replaces "
+                             "each chunk's first token by it, so the logits must be computed "
+                             "with tokens[:, 0] = BOS")
+    else:
+        tokens = _with_bos(tokens, vocab)
+        logits = torch_logits(model_or_logits, tokens)
+    if vocab["n_vocab"] is not None and logits.shape[-1] != vocab["n_vocab"]:
+        raise ValueError(f"the torch logits have {logits.shape[-1]} entries per position but "
+                         f"{gguf_path.name}'s vocabulary has {vocab['n_vocab']} tokens; the "
+                         "base-logits file must match llama.cpp's n_vocab")
+    with tempfile.TemporaryDirectory(prefix="voodoo-agree-",
+                                     dir=work_dir) as tmp:
+        base = write_kld_base(Path(tmp) / "torch.kld", tokens, logits)
+        args = [str(tool_path("llama-perplexity")), "-m", str(gguf_path),
+                "--kl-divergence-base", str(base), "--kl-divergence", "-c", str(n_ctx)]
+        if threads is not None:
+            args += ["-t", str(threads)]
+        out = _run_tool(args, timeout)
+    res = parse_perplexity_output(out)
+    if "kld" not in res:
+        raise PerplexityError(f"llama-perplexity printed no KL divergence for {gguf_path.name} "
+                              f"against torch logits:\n{_tail(out)}")
+    return {"kld_mean": res["kld"], "kld_err": res.get("kld_err"),
+            "kld_99_9": res.get("kld_p99_9"), "kld_99": res.get("kld_p99"),
+            "kld_median": res.get("kld_median"), "kld_max": res.get("kld_max"),
+            "same_top_p": res.get("same_top_p"), "ppl_torch": res.get("ppl_base"),
+            "ppl_llama": res.get("ppl"), "n_tokens": n_scored, "n_ctx": n_ctx,
+            "n_chunk": n_chunk, "n_vocab": int(logits.shape[-1]), "tokens": tokens}
+
+
+def preflight(hf_model: torch.nn.Module, f32_gguf: str | os.PathLike, tokens: torch.Tensor,
+              max_kld: float = DEFAULT_PREFLIGHT_MAX_KLD, **kwargs) -> dict:
+    """The pre-flight agreement check: does llama.cpp, on the converter's F32 GGUF, compute the
+    model transformers computes? Run before any training; a few hundred tokens, seconds.
+
+    Args:
+        hf_model: the transformers causal LM (float32) that Voodoo will train against.
+        f32_gguf: llama.cpp's F32 GGUF of the same weights (``convert_hf_to_gguf.py --outtype
+            f32``); candidates and the exported file are quantized from it.
+        tokens: LongTensor ``(n_chunk, n_ctx)``, e.g. ``chunk_tokens(ids,
+            DEFAULT_PREFLIGHT_CTX, DEFAULT_PREFLIGHT_CHUNKS)``.
+        max_kld: largest mean KLD (nats/token) that counts as agreement; the default
+            :data:`DEFAULT_PREFLIGHT_MAX_KLD` sits far above float32 noise (~1e-6) and below the
+            smallest disagreement seen (3e-3).
+        kwargs: passed to :func:`llama_vs_torch` (``threads``, ``timeout``, ``work_dir``).
+
+    Returns the :func:`llama_vs_torch` dict (plus ``"max_kld"``).
+
+    Raises:
+        AgreementError: mean KLD above ``max_kld``. The message names the KLD and the same
+            top-p, says what it means (the KLD Voodoo optimises in torch would not be the one
+            llama.cpp serves) and how to go on anyway (``--skip_preflight``).
+        and what :func:`llama_vs_torch` raises.
+    """
+    res = llama_vs_torch(f32_gguf, hf_model, tokens, **kwargs)
+    res["max_kld"] = max_kld
+    if not res["kld_mean"] <= max_kld:          # also catches nan
+        top = res.get("same_top_p")
+        top_s = f"{100 * top:.2f}%" if top is not None else "n/a"
+        raise AgreementError(
+            f"pre-flight check failed: llama.cpp does not compute the model transformers "
+            f"computes. On {res['n_tokens']} positions ({res['n_chunk']} chunks of "
+            f"{res['n_ctx']} tokens), KL(transformers ‖ llama.cpp on {Path(f32_gguf).name}) = "
+            f"{res['kld_mean']:.4g} nats/token (99.9%: {res['kld_99_9']}), same top-p "
+            f"{top_s}; agreement means ≤ {max_kld:g}. The F32 GGUF holds the same weights, so "
+            "llama.cpp runs this architecture/config differently from transformers (e.g. a "
+            "sliding-window pattern, no-RoPE layers or RoPE settings it does not read). Voodoo "
+            "optimises the KLD of the torch model, which would not be the KLD of what llama.cpp "
+            "serves. Fix the config or the llama.cpp version; to go on anyway, pass "
+            "--skip_preflight.", res)
+    return res
