@@ -1,0 +1,101 @@
+"""The exported GGUF's own metadata: ``general.file_type`` is the badge in the file name
+(``…Voodoo55_Q4_K_S.gguf`` -> MOSTLY_Q4_K_S), and ``voodoo.model`` holds the model's name and
+content hash, never a local path, and leads back to the model on this machine."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from gguf import GGUFReader, LlamaFileType
+
+import cython_ggml
+from voodoo.export import (badge_file_type, export_gguf, find_model, find_reference,
+                           gguf_model_id, model_id, output_name, parse_model_id)
+from voodoo.quants import FTYPE_NOMINAL_BPW, nearest_ftype, tensor_nbytes
+
+
+def test_every_badge_is_a_llama_file_type():
+    for badge in FTYPE_NOMINAL_BPW:
+        ft = LlamaFileType(badge_file_type(badge))
+        assert ft.name == "MOSTLY_" + badge
+    assert badge_file_type("Q4_K_S") == int(LlamaFileType.MOSTLY_Q4_K_S) == 14
+    assert badge_file_type("IQ4_NL") == 25
+    with pytest.raises(ValueError, match="not a llama.cpp file type"):
+        badge_file_type("Q4_K")          # a ggml type, not a file type
+
+
+def test_model_id_round_trip():
+    sha = "ab" * 32
+    assert model_id("SmolLM2-135M-Instruct", sha) == f"SmolLM2-135M-Instruct@sha256:{sha}"
+    assert parse_model_id(model_id("a@b", sha)) == ("a@b", sha)
+    assert parse_model_id("/home/u/.cache/voodoo/models/x/hf") == \
+        ("/home/u/.cache/voodoo/models/x/hf", None)
+    with pytest.raises(ValueError, match="sha256"):
+        model_id("m", "/not/a/hash")
+
+
+def _q(base, name, t):
+    tensors = {x.name: x for x in GGUFReader(base).tensors}
+    w = np.ascontiguousarray(np.asarray(tensors[name].data, dtype=np.float32))
+    return cython_ggml.quantize(w, t, None, tensor_name=name)
+
+
+@pytest.mark.parametrize("mix", ["Q8_0", "mixed"])
+def test_file_type_is_the_name_badge(tiny_prepared, tmp_path, mix):
+    """The stem as the CLI makes it (bpw of the selectable tensors -> badge) and the file's
+    general.file_type name the same llama.cpp file type."""
+    base = tiny_prepared.base_gguf
+    mats = [t for t in GGUFReader(base).tensors if len(t.shape) == 2]
+    types = {t.name: ("Q8_0" if mix == "Q8_0" or i % 2 else "Q4_K") for i, t in
+             enumerate(mats)}
+    n = sum(int(t.shape[0]) * int(t.shape[1]) for t in mats)
+    total = sum(tensor_nbytes(types[t.name], int(t.shape[1]), int(t.shape[0])) for t in mats)
+    bpw = 8 * total / n
+    name = output_name(tiny_prepared.name, 55, bpw)
+    badge = name.removesuffix(".gguf").rsplit(".Voodoo55_", 1)[1]
+    out = export_gguf(base, types, lambda nm, t: _q(base, nm, t), tmp_path / name)
+    ft = GGUFReader(out).fields["general.file_type"].contents()
+    assert LlamaFileType(ft).name == "MOSTLY_" + badge
+    assert badge == nearest_ftype(bpw) == ("Q8_0" if mix == "Q8_0" else "Q4_K_S")
+
+
+def test_voodoo_model_is_name_and_hash(tiny_prepared, tmp_path, monkeypatch):
+    """_provenance writes name@sha256 of the reference GGUF, no path; eval/chat find the
+    model again through this machine's cache index."""
+    from voodoo import cli
+    from voodoo.fsutil import sha256_file
+    monkeypatch.setenv("VOODOO_CACHE", str(tmp_path / "cache"))
+    asg = {"budget_bytes": 10, "total_bytes": 9, "tensors": {}}
+    kv = cli._provenance(SimpleNamespace(model=str(tiny_prepared.hf_dir)), asg, tiny_prepared)
+    value = kv["voodoo.model"]
+    sha = sha256_file(tiny_prepared.reference_gguf)
+    assert value == f"{tiny_prepared.name}@sha256:{sha}"
+    assert "/" not in value and str(tmp_path) not in value
+    assert find_model(value) == str(Path(tiny_prepared.hf_dir).resolve())
+    assert find_reference(value) == Path(tiny_prepared.reference_gguf).resolve()
+
+    base = tiny_prepared.base_gguf
+    out = export_gguf(base, {"blk.0.attn_q.weight": "Q8_0"},
+                      lambda nm, t: _q(base, nm, t), tmp_path / "m.gguf", extra_kv=kv)
+    assert gguf_model_id(out) == value
+    for k, v in GGUFReader(out).fields.items():
+        if k.startswith("voodoo."):
+            assert str(tmp_path) not in str(v.contents()), k
+    # `voodoo eval --gguf` without --model: the recorded model
+    a = SimpleNamespace(assignment=None, gguf=[str(out)])
+    assert cli._recorded_model(a) == str(Path(tiny_prepared.hf_dir).resolve())
+    # another machine (an empty cache): the error names the model and the way out
+    monkeypatch.setenv("VOODOO_CACHE", str(tmp_path / "elsewhere"))
+    assert find_model(value) is None
+    with pytest.raises(cli.UsageError, match=f"made from {tiny_prepared.name}.*pass --model"):
+        cli._recorded_model(a)
+
+
+def test_default_model_hash_needs_no_index(smol_gguf):
+    from voodoo.models import DEFAULT_MODEL_WHEEL
+    value = model_id("SmolLM2-135M-Instruct", DEFAULT_MODEL_WHEEL["gguf_sha256"])
+    assert Path(find_model(value)) == smol_gguf
+    assert find_reference(value) == smol_gguf
