@@ -80,9 +80,11 @@ _IQ1_DELTA = float(_gq.IQ1_S.delta)
 
 
 # ----------------------------------------------------------------------------- helpers
-def _f16(b: torch.Tensor, off: int) -> torch.Tensor:
-    """The little-endian fp16 at byte ``off`` of each block, widened exactly -> (nb, 1) f32."""
-    return b[:, off:off + 2].contiguous().view(torch.float16).to(torch.float32)
+def _f16(b: torch.Tensor, off: int, dtype: torch.dtype = torch.float16) -> torch.Tensor:
+    """The little-endian fp16 (or bf16) at byte ``off`` of each block, widened exactly ->
+    (nb, 1) f32. Built from the two bytes with integer ops and a same-size bitcast, so that
+    ``torch.compile`` can fuse it."""
+    return _u16(b, off, 1).to(torch.int16).view(dtype).to(torch.float32)
 
 
 def _u16(b: torch.Tensor, off: int, n: int) -> torch.Tensor:
@@ -134,7 +136,7 @@ def _scale_min_k4(sc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _q8_0(b):
     d = _f16(b, 0)                                                  # (nb, 1)
-    q = b[:, 2:34].contiguous().view(torch.int8).to(torch.float32)  # (nb, 32)
+    q = b[:, 2:34].view(torch.int8).to(torch.float32)               # (nb, 32)
     return q * d                                                    # x[i].qs[j]*d
 
 
@@ -234,7 +236,7 @@ def _q6_k(b):
     nb = b.shape[0]
     ql = b[:, 0:128].reshape(nb, 2, 2, 32)                          # [n][half][l]
     qh = b[:, 128:192].reshape(nb, 2, 1, 32)
-    sc = b[:, 192:208].contiguous().view(torch.int8).to(torch.float32)   # (nb, 16)
+    sc = b[:, 192:208].view(torch.int8).to(torch.float32)           # (nb, 16)
     d = _f16(b, 208)
     lo = torch.cat([ql & 0x0F, ql >> 4], 2)                         # (nb, 2, 4, 32): q1,q2,q3,q4
     sh = _shifts([0, 2, 4, 6], b.device).reshape(1, 1, 4, 1)
@@ -377,15 +379,15 @@ def _iq4_xs(b):
 
 
 def _f16_blocks(b):
-    return b.contiguous().view(torch.float16).to(torch.float32)
+    return _f16(b, 0)
 
 
 def _bf16_blocks(b):
-    return b.contiguous().view(torch.bfloat16).to(torch.float32)
+    return _f16(b, 0, torch.bfloat16)
 
 
 def _f32_blocks(b):
-    return b.contiguous().view(torch.float32).clone()
+    return _u32(b, 0, 1).to(torch.int32).view(torch.float32)
 
 
 _IMPL: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -444,3 +446,35 @@ def dequantize(blocks: torch.Tensor, qtype: str, n_per_row: int) -> torch.Tensor
     if not b.is_contiguous():
         b = b.contiguous()
     return dequantize_blocks(b, t.name).reshape(n_rows, n_per_row)
+
+
+# ------------------------------------------------------------------ torch.compile, exactly
+def exact_compile_options() -> dict:
+    """Inductor options under which compiled dequantization stays bit-identical to libggml:
+    no multiply-add contraction in the generated Triton kernels (``emulate_precision_casts``
+    turns Triton's ``enable_fp_fusion`` off) and no flush of subnormals to zero
+    (``eager_numerics.disable_ftz``). Only the options this PyTorch knows are returned;
+    ``benchmarks/lazy_candidates.py check --compile`` verifies the result on a GPU."""
+    import torch._inductor.config as c
+    opts = {}
+    if hasattr(c, "emulate_precision_casts"):
+        opts["emulate_precision_casts"] = True
+    if hasattr(getattr(c, "eager_numerics", None), "disable_ftz"):
+        opts["eager_numerics.disable_ftz"] = True
+    return opts
+
+
+def warm_tables(types, device) -> None:
+    """Builds the lookup tables ``types`` need on ``device`` (eagerly, once), so that compiled
+    code finds them as constants."""
+    for t in types:
+        q = _qtype(t)
+        dequantize(torch.zeros(q.type_size, dtype=torch.uint8, device=device), q.name,
+                   q.block_size)
+
+
+def compile_recompile_limit() -> dict:
+    """``torch._dynamo.config`` patch that allows one compiled graph per (menu, tile shape)."""
+    import torch._dynamo.config as dc
+    key = "recompile_limit" if hasattr(dc, "recompile_limit") else "cache_size_limit"
+    return {key: max(256, getattr(dc, key))}

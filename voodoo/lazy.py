@@ -23,7 +23,7 @@ from typing import Sequence
 
 import torch
 
-from .dequant import dequantize
+from .dequant import compile_recompile_limit, dequantize, exact_compile_options, warm_tables
 from .quants import qtype
 
 __all__ = ["QuantizedCandidates", "LazyMix", "lazy_mix", "DEFAULT_TILE_ELEMENTS"]
@@ -45,6 +45,11 @@ class QuantizedCandidates(torch.nn.Module):
         shape: the tensor's shape in GGUF numpy order: ``(n_rows, n_per_row)`` or
             ``(n_expert, n_rows, n_per_row)``; the last dimension is the quantized one.
         tile_elements: weights per tile (rounded down to whole rows, at least one row).
+        compile: fuse each tile's dequantize-and-mix (and dequantize-and-dot) into one
+            kernel with ``torch.compile`` (Inductor options of
+            :func:`voodoo.dequant.exact_compile_options`: no FMA contraction, no flush to
+            zero, so the dequantized weights stay libggml's bits). ``None`` (default): on CUDA
+            only; the CPU runs the eager torch ops.
 
     Raises:
         ValueError: K == 0, ``len(blocks) != len(types)``, an unsupported type, a row length
@@ -56,7 +61,8 @@ class QuantizedCandidates(torch.nn.Module):
     """
 
     def __init__(self, blocks: Sequence[torch.Tensor], types: Sequence[str],
-                 shape: Sequence[int], tile_elements: int = DEFAULT_TILE_ELEMENTS):
+                 shape: Sequence[int], tile_elements: int = DEFAULT_TILE_ELEMENTS,
+                 compile: bool | None = None):
         super().__init__()
         if len(blocks) == 0 or len(blocks) != len(types):
             raise ValueError(f"need one type per candidate and at least one candidate; got "
@@ -80,6 +86,7 @@ class QuantizedCandidates(torch.nn.Module):
             self.register_buffer(f"q{k}", b.detach().reshape(self.n_rows, row_bytes).contiguous(),
                                  persistent=False)
         self.tile_rows = max(1, int(tile_elements) // self.n_per_row)
+        self.compile = compile
 
     # ------------------------------------------------------------------ properties
     @property
@@ -108,6 +115,12 @@ class QuantizedCandidates(torch.nn.Module):
         for r0 in range(0, self.n_rows, self.tile_rows):
             yield r0, min(self.n_rows, r0 + self.tile_rows)
 
+    def _compiled(self) -> bool:
+        return self.device.type == "cuda" if self.compile is None else bool(self.compile)
+
+    def _tile_blocks(self, r0: int, r1: int) -> list[torch.Tensor]:
+        return [self.blocks(k)[r0:r1] for k in range(self.k)]
+
     def _deq(self, k: int, r0: int, r1: int) -> torch.Tensor:
         return dequantize(self.blocks(k)[r0:r1], self.types[k], self.n_per_row)  # (r, n) f32
 
@@ -132,6 +145,14 @@ class QuantizedCandidates(torch.nn.Module):
         acc_dtype = torch.float64 if probs.dtype == torch.float64 else torch.float32
         p = probs.to(acc_dtype)
         out = torch.empty((self.n_rows, self.n_per_row), dtype=dtype, device=self.device)
+        if self._compiled():
+            warm_tables(self.types, self.device)
+            fn = _compiled_fn("mix")
+            with torch._dynamo.config.patch(**compile_recompile_limit()):
+                for r0, r1 in self._tiles():
+                    out[r0:r1] = fn(p, self._tile_blocks(r0, r1), self.types, self.n_per_row,
+                                    dtype)
+            return out.reshape(self.shape)
         for r0, r1 in self._tiles():
             acc = self._deq(0, r0, r1).to(acc_dtype) * p[0]                # (r, n_per_row)
             for k in range(1, self.k):
@@ -154,6 +175,14 @@ class QuantizedCandidates(torch.nn.Module):
         acc_dtype = torch.float64 if g.dtype == torch.float64 else torch.float32
         g2 = g.reshape(self.n_rows, self.n_per_row)
         out = torch.zeros(self.k, dtype=acc_dtype, device=self.device)
+        if self._compiled():
+            warm_tables(self.types, self.device)
+            fn = _compiled_fn("dots")
+            with torch._dynamo.config.patch(**compile_recompile_limit()):
+                for r0, r1 in self._tiles():
+                    out += fn(g2[r0:r1], self._tile_blocks(r0, r1), self.types, self.n_per_row,
+                              acc_dtype)
+            return out
         for r0, r1 in self._tiles():
             gt = g2[r0:r1].to(acc_dtype).reshape(-1)                        # (r * n,)
             for k in range(self.k):
@@ -169,6 +198,33 @@ class QuantizedCandidates(torch.nn.Module):
     def extra_repr(self) -> str:
         return (f"shape={self.shape}, types={list(self.types)}, "
                 f"nbytes={self.nbytes}, tile_rows={self.tile_rows}")
+
+
+def _mix_tile(p, tiles, types, n_per_row, out_dtype):
+    """One row tile of ``sum_k p[k] deq(Q_k)`` (the eager loop's arithmetic, fused)."""
+    acc = dequantize(tiles[0], types[0], n_per_row).to(p.dtype) * p[0]
+    for k in range(1, len(tiles)):
+        acc = acc + dequantize(tiles[k], types[k], n_per_row).to(p.dtype) * p[k]
+    return acc.to(out_dtype)
+
+
+def _dots_tile(g, tiles, types, n_per_row, acc_dtype):
+    """One row tile of ``<deq(Q_k), g>`` for every k -> (K,)."""
+    g = g.to(acc_dtype)
+    return torch.stack([(dequantize(t, ty, n_per_row).to(acc_dtype) * g).sum()
+                        for t, ty in zip(tiles, types)])
+
+
+_COMPILED: dict[str, object] = {}
+
+
+def _compiled_fn(kind: str):
+    fn = _COMPILED.get(kind)
+    if fn is None:
+        fn = torch.compile({"mix": _mix_tile, "dots": _dots_tile}[kind], dynamic=False,
+                           options=exact_compile_options())
+        _COMPILED[kind] = fn
+    return fn
 
 
 class LazyMix(torch.autograd.Function):
