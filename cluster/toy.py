@@ -103,12 +103,16 @@ class KillOnce:
     """Step hook (``run_training(step_hook=...)``) that kills its worker process with
     ``os._exit(1)`` once, on rank ``rank`` after step ``at_step``; ``marker`` (a file path)
     records that it happened, so the restarted run goes on; ``steps_log`` (a path, optional)
-    gets one line per step done on that rank. For failure tests."""
+    gets one line per step done on that rank; ``run_dir`` (the run's storage folder, optional):
+    the marker's second line is then the step of the newest complete checkpoint on storage at
+    the moment of the kill (:func:`cluster.train.newest_checkpoint`; -1 for none). For failure
+    tests."""
 
     marker: str
     at_step: int
     rank: int = 0
     steps_log: str | None = None
+    run_dir: str | None = None
 
     def __call__(self, step: int, info: WorkerInfo, student) -> None:
         import os
@@ -116,9 +120,32 @@ class KillOnce:
             with open(self.steps_log, "a") as f:
                 f.write(f"{step}\n")
         if step == self.at_step and info.rank == self.rank and not os.path.exists(self.marker):
+            newest = ""
+            if self.run_dir:
+                from cluster.train import newest_checkpoint
+                found = newest_checkpoint(self.run_dir)
+                newest = f"{found[1] if found else -1}\n"
             with open(self.marker, "w") as f:
-                f.write(f"killed rank {info.rank} after step {step}\n")
+                f.write(f"killed rank {info.rank} after step {step}\n{newest}")
             os._exit(1)
+
+
+@dataclass
+class RaiseAt:
+    """Step hook that raises ``ValueError(message)`` on rank ``rank`` after step ``at_step``
+    (every time it gets there), appending a line to ``log`` (a path) each time: a stand-in for
+    an error that no retry can fix (bad input, non-finite weights). For failure tests."""
+
+    log: str
+    at_step: int
+    rank: int = 0
+    message: str = "non-finite weights in blk.0.ffn_down.weight (toy)"
+
+    def __call__(self, step: int, info: WorkerInfo, student) -> None:
+        if step == self.at_step and info.rank == self.rank:
+            with open(self.log, "a") as f:
+                f.write(f"raised on rank {info.rank} after step {step}\n")
+            raise ValueError(self.message)
 
 
 @dataclass

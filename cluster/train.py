@@ -30,19 +30,42 @@ Checkpoint folder (one per checkpoint; Ray merges every rank's files into one)::
                     layout {tensor_parallel, data_parallel}
     rank-0003.pt    every rank: step, gates, optimizer state (Adam over the gate logits), RNG
     meta.json       rank 0: step, finished, budget_bytes, last metrics (for people)
+    complete.json   rank 0, written last: step, world_size, and every file's bytes and sha256
+
+Checkpoints are named by step, ``storage_path/run_name/checkpoint_NNNNNN``, in both modes. A
+checkpoint is **complete** when its ``complete.json`` exists and every file it lists is there with
+its size and sha256 (:func:`checkpoint_complete`); rank 0 writes it after every rank's files are
+on storage (Ray Train: after ``ray.train.report`` returned on every rank and a barrier). A run
+resumes from the newest complete checkpoint on storage (:func:`newest_checkpoint`), whatever Ray
+Train's controller had registered when a worker died: under load the controller may not yet
+have taken in the last report, and ``ray.train.get_checkpoint()`` then points at an older one.
+Incomplete folders newer than the one resumed are removed before training goes on; rank 0 keeps
+the ``num_to_keep`` newest complete checkpoints (Ray's own ``CheckpointConfig`` keeps all, so
+the two never delete each other's folders).
 
 In-process runs (``num_workers=0``) get no persistence from Ray (Ray's local mode keeps the last
-checkpoint in memory only); :func:`run_training` then stores the same folders itself under
-``storage_path/run_name/checkpoint_NNNNNN`` (``num_to_keep`` newest kept) and resumes from the
-newest, so resume works the same way in both modes.
+checkpoint in memory only); the loop writes the same folders itself (into a temporary folder,
+renamed when complete), so resume works the same way in both modes.
+
+Errors that a retry cannot fix (:data:`TERMINAL_ERRORS`: ValueError -- bad input, non-finite
+weights, a split that cuts quant blocks --, TypeError, ...) end the run at once: Ray Train's
+``FailureConfig(max_failures)`` restarts on worker deaths only (:func:`terminal_error_policy`),
+and :func:`run_training` re-raises the worker's own exception. A run that fails otherwise (a
+worker died more often than ``max_failures`` allows) ends in :class:`TrainingFailed`: one line
+saying what happened, the newest complete checkpoint (path and step) and the command that
+resumes.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
+import re
+import shlex
 import shutil
+import sys
 import tempfile
 import time
 import types
@@ -65,11 +88,16 @@ __all__ = [
     "WorkerInfo", "StudentJob", "RunResult", "train_loop_per_worker", "run_loop",
     "RayTrainBackend", "run_training",
     "parse_device_map", "dispatch_layers", "load_checkpoint_state", "STATE_FILE",
+    "MANIFEST_FILE", "checkpoint_complete", "newest_checkpoint", "TrainingFailed",
+    "TERMINAL_ERRORS", "is_terminal_error", "terminal_error_policy", "command_line",
 ]
 
 STATE_FILE = "state.pt"
 META_FILE = "meta.json"
+#: Written last into a checkpoint folder; lists every file with its bytes and sha256.
+MANIFEST_FILE = "complete.json"
 CKPT_VERSION = 1
+_CKPT_RE = re.compile(r"^checkpoint_(\d{6,})$")
 
 
 @dataclass
@@ -249,9 +277,99 @@ def load_checkpoint_state(path: str | os.PathLike) -> dict:
     return torch.load(f, map_location="cpu", weights_only=True)
 
 
-def _latest_local(local_dir: Path) -> Path | None:
-    ck = sorted(p for p in local_dir.glob("checkpoint_*") if (p / STATE_FILE).is_file())
-    return ck[-1] if ck else None
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _expected_files(world: int) -> list[str]:
+    return [STATE_FILE, META_FILE, *(f"rank-{r:04d}.pt" for r in range(world))]
+
+
+def write_manifest(path: str | os.PathLike, step: int, world: int) -> dict:
+    """Writes ``complete.json`` into the checkpoint folder ``path`` (atomically, last): the
+    step, the world size and each file's bytes and sha256, read back from storage. Raises
+    RuntimeError when a file of the ``world`` ranks is missing (the checkpoint is then left
+    incomplete)."""
+    d = Path(path)
+    missing = [n for n in _expected_files(world) if not (d / n).is_file()]
+    if missing:
+        raise RuntimeError(f"checkpoint {d} lacks {missing} after every rank reported it")
+    files = {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+             for p in sorted(d.iterdir())
+             if p.is_file() and p.name != MANIFEST_FILE and not p.name.startswith(".")}
+    man = {"version": CKPT_VERSION, "step": int(step), "world_size": int(world), "files": files}
+    tmp = d / f".{MANIFEST_FILE}.tmp"
+    tmp.write_text(json.dumps(man, indent=2))
+    os.replace(tmp, d / MANIFEST_FILE)
+    return man
+
+
+def checkpoint_complete(path: str | os.PathLike) -> dict | None:
+    """The manifest of the checkpoint folder ``path`` when the checkpoint is complete (its
+    ``complete.json`` parses, lists ``state.pt``, ``meta.json`` and one ``rank-NNNN.pt`` per
+    rank of its world size, and every listed file is there with its bytes and sha256); else
+    None."""
+    d = Path(path)
+    try:
+        man = json.loads((d / MANIFEST_FILE).read_text())
+        files, world = dict(man["files"]), int(man["world_size"])
+        if any(n not in files for n in _expected_files(world)):
+            return None
+        for name, want in files.items():
+            f = d / name
+            if f.stat().st_size != int(want["bytes"]) or _sha256(f) != want["sha256"]:
+                return None
+        int(man["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return man
+
+
+def _step_dirs(run_dir: Path) -> list[tuple[int, Path]]:
+    """(step, folder) of the ``checkpoint_NNNNNN`` folders in ``run_dir``, newest first."""
+    if not run_dir.is_dir():
+        return []
+    out = []
+    for p in run_dir.iterdir():
+        m = _CKPT_RE.match(p.name)
+        if m and p.is_dir():
+            out.append((int(m.group(1)), p))
+    return sorted(out, reverse=True)
+
+
+def newest_checkpoint(run_dir: str | os.PathLike) -> tuple[Path, int] | None:
+    """(folder, step) of the newest complete checkpoint (:func:`checkpoint_complete`) among
+    ``run_dir/checkpoint_NNNNNN``, or None. Incomplete folders (a worker died while writing)
+    are skipped."""
+    for step, p in _step_dirs(Path(run_dir)):
+        man = checkpoint_complete(p)
+        if man is not None and int(man["step"]) == step:
+            return p, step
+    return None
+
+
+def _prune(run_dir: Path, keep: int, newest: int) -> None:
+    """Keeps the ``keep`` newest complete checkpoints at or below step ``newest``; removes
+    older complete ones and incomplete folders older than ``newest``."""
+    kept = 0
+    for step, p in _step_dirs(run_dir):
+        if step > newest:
+            continue
+        if step < newest and checkpoint_complete(p) is None:
+            shutil.rmtree(p, ignore_errors=True)
+        elif kept < keep:
+            kept += 1
+        else:
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def _checkpoint_step(path) -> int:
+    st = load_checkpoint_state(path)
+    return int(st["step"])
 
 
 # --------------------------------------------------------------------------- the loop
@@ -270,11 +388,12 @@ class RayTrainBackend:
         import ray.train
         return ray.train.get_checkpoint()
 
-    def report(self, metrics: dict, checkpoint_dir: str | None = None) -> None:
+    def report(self, metrics: dict, checkpoint_dir: str | None = None,
+               name: str | None = None) -> None:
         import ray.train
         ck = None if checkpoint_dir is None else ray.train.Checkpoint.from_directory(
             checkpoint_dir)
-        ray.train.report(metrics, checkpoint=ck)
+        ray.train.report(metrics, checkpoint=ck, checkpoint_dir_name=name)
 
 
 def train_loop_per_worker(config: dict) -> None:
@@ -379,13 +498,36 @@ def run_loop(config: dict, backend) -> dict:
     grad_sync = _dp_grad_sync(dp_group, dp)
     input_device = torch.device(devices[0] if devices else device)
 
-    # ---- resume
+    # ---- resume: the newest complete checkpoint on storage (rank 0 decides, all follow)
     local_dir = Path(config["local_dir"]) if config.get("local_dir") else None
+    run_dir = Path(config["run_dir"]) if config.get("run_dir") else local_dir
     ckpt_dir = None
     ck = backend.get_checkpoint()
     step, history = 0, []
-    if local_dir is not None:
-        ckpt_dir = _latest_local(local_dir)
+    if run_dir is not None:
+        found = newest_checkpoint(run_dir) if rank == 0 else None
+        if world > 1 and dist.is_initialized():
+            box = [None if found is None else (str(found[0]), found[1])]
+            dist.broadcast_object_list(box, src=0)
+            found = None if box[0] is None else (Path(box[0][0]), int(box[0][1]))
+        if found is not None:
+            ckpt_dir = found[0]
+            if ck is not None and local_dir is None:
+                # a checkpoint Ray registered but that has no manifest (written by an older
+                # Voodoo) wins only when it is newer
+                with ck.as_directory() as rd:
+                    if (not (Path(rd) / MANIFEST_FILE).is_file()
+                            and _checkpoint_step(rd) > found[1]):
+                        ckpt_dir = None
+            if ckpt_dir is not None:
+                ck = None
+        if rank == 0:  # folders newer than the one resumed are incomplete leftovers
+            for s_, p_ in _step_dirs(run_dir):
+                if s_ > (found[1] if found is not None else -1):
+                    shutil.rmtree(p_, ignore_errors=True)
+        _barrier(world)
+        if local_dir is not None:
+            ck = None  # Ray's local mode has no checkpoint of its own worth resuming
     with (ck.as_directory() if ck is not None and ckpt_dir is None
           else _nullpath(ckpt_dir)) as d:
         if d is not None:
@@ -430,10 +572,14 @@ def run_loop(config: dict, backend) -> dict:
 
     def save_and_report(m):
         final = step >= cfg.max_steps
+        name = f"checkpoint_{step:06d}"
         with tempfile.TemporaryDirectory(prefix="voodoo-ckpt-") as tmp:
             d = Path(tmp)
             if local_dir is not None:
-                d = local_dir / f".tmp_checkpoint_{step:06d}"
+                d = local_dir / f".tmp_{name}"
+                if rank == 0 and d.exists():
+                    shutil.rmtree(d)
+                _barrier(world)
                 d.mkdir(parents=True, exist_ok=True)
             torch.save({"step": step, "gates": gate_state(student),
                         "optimizer": optimizer.state_dict(), "rng": _rng_state()},
@@ -449,16 +595,23 @@ def run_loop(config: dict, backend) -> dict:
                      "metrics": m}, indent=2))
             if local_dir is not None:
                 _barrier(world)
-                final_dir = local_dir / f"checkpoint_{step:06d}"
+                final_dir = local_dir / name
                 if rank == 0:
+                    write_manifest(d, step, world)
                     if final_dir.exists():
                         shutil.rmtree(final_dir)
                     os.replace(d, final_dir)
-                    for old in sorted(local_dir.glob("checkpoint_*"))[:-num_to_keep]:
-                        shutil.rmtree(old, ignore_errors=True)
+                    _prune(local_dir, num_to_keep, step)
                 _barrier(world)
                 d = final_dir
-            backend.report(metrics_of(m), str(d))
+            backend.report(metrics_of(m), str(d), name=name)
+            if run_dir is not None and local_dir is None:
+                # every rank's report returned: its files are on storage; mark it complete
+                _barrier(world)
+                if rank == 0:
+                    write_manifest(run_dir / name, step, world)
+                    _prune(run_dir, num_to_keep, step)
+                _barrier(world)
 
     def final():
         return {"gates": gate_state(student), "step": step, "budget_bytes": int(budget),
@@ -466,7 +619,11 @@ def run_loop(config: dict, backend) -> dict:
                 "job": job}
 
     if step >= end:  # nothing left: report the state we resumed (so the result has it)
-        save_and_report(history[-1] if history else {k: float("nan") for k in METRICS})
+        last = history[-1] if history else {k: float("nan") for k in METRICS}
+        if run_dir is not None:  # the checkpoint is on storage already: keep it as it is
+            backend.report(metrics_of(last))
+        else:
+            save_and_report(last)
         return final()
     while step < end:
         idx = batch_indices(step, len(job.train_blocks), cfg.batch_size, cfg.seed)[dp_rank::dp]
@@ -503,6 +660,140 @@ class _nullpath:
         return False
 
 
+# --------------------------------------------------------------------------- failures
+
+
+def _terminal_types() -> tuple[type, ...]:
+    from voodoo.data import DatasetError
+    from voodoo.imatrix import ImatrixError
+    from voodoo.llamacpp import LlamaCppNotBuilt
+    from voodoo.train import CorruptJournalError
+    return (ValueError, TypeError, KeyError, NotImplementedError, FloatingPointError,
+            DatasetError, ImatrixError, LlamaCppNotBuilt, CorruptJournalError)
+
+
+#: Exceptions raised in the training function that a retry cannot fix (bad input, non-finite
+#: weights, a tensor-parallel split that cuts quant blocks, a checkpoint of another run,
+#: missing llama.cpp builds): they end the run on the first occurrence.
+TERMINAL_ERRORS: tuple[type, ...] = _terminal_types()
+
+
+def is_terminal_error(err: BaseException | None) -> bool:
+    """True for an exception of :data:`TERMINAL_ERRORS` (not a worker death)."""
+    return isinstance(err, TERMINAL_ERRORS)
+
+
+def _worker_died(err: BaseException) -> bool:
+    from ray.exceptions import RayActorError
+    try:
+        from ray.train.v2._internal.exceptions import WorkerHealthCheckFailedError
+    except ImportError:  # pragma: no cover - other Ray versions
+        WorkerHealthCheckFailedError = ()  # noqa: N806
+    return isinstance(err, (RayActorError, WorkerHealthCheckFailedError))
+
+
+def terminal_error_policy(failure_config):
+    """Ray Train V2 failure policy: Ray's ``DefaultFailurePolicy``, except that a worker-group
+    failure in which a worker raised an error of :data:`TERMINAL_ERRORS` (and no worker died)
+    is not retried. Ray's default retries every ``WorkerGroupError`` -- worker deaths and
+    exceptions raised in the training function alike -- up to ``FailureConfig(max_failures)``
+    times, and ``FailureConfig`` has no setting for this; :func:`run_training` installs this
+    policy for its trainer."""
+    from ray.train.v2._internal.execution.failure_handling import DefaultFailurePolicy
+
+    class VoodooFailurePolicy(DefaultFailurePolicy):
+        def _is_retryable_error(self, training_failed_error):
+            fails = getattr(training_failed_error, "worker_failures", None) or {}
+            if (any(is_terminal_error(e) for e in fails.values())
+                    and not any(_worker_died(e) for e in fails.values())):
+                return False
+            return super()._is_retryable_error(training_failed_error)
+
+    return VoodooFailurePolicy(failure_config)
+
+
+def _trainer_class():
+    """TorchTrainer whose ``fit`` uses :func:`terminal_error_policy` (falls back to Ray's
+    policy, retrying every failure, when this Ray has no ``create_failure_policy`` hook)."""
+    from ray.train.torch import TorchTrainer
+
+    class VoodooTorchTrainer(TorchTrainer):
+        def fit(self):
+            try:
+                import ray.train.v2.api.data_parallel_trainer as dpt
+                from ray.train.v2._internal.execution.failure_handling import (  # noqa: F401
+                    DefaultFailurePolicy)
+                orig = dpt.create_failure_policy
+            except (ImportError, AttributeError):  # pragma: no cover - other Ray versions
+                return super().fit()
+            dpt.create_failure_policy = terminal_error_policy
+            try:
+                return super().fit()
+            finally:
+                dpt.create_failure_policy = orig
+
+    return VoodooTorchTrainer
+
+
+class TrainingFailed(RuntimeError):
+    """A Ray Train run that failed for good (workers died more often than ``max_failures``
+    allows, or Ray itself failed). The message is one line: what happened, what was kept and
+    the command that resumes. Attributes: ``run_name``, ``checkpoint`` (newest complete
+    checkpoint folder or None), ``step`` (its step, 0 without one), ``command``."""
+
+    def __init__(self, message: str, run_name: str, checkpoint: str | None, step: int,
+                 command: str):
+        super().__init__(message)
+        self.run_name, self.checkpoint, self.step, self.command = (run_name, checkpoint,
+                                                                   step, command)
+
+
+def command_line(argv: list[str] | None = None) -> str:
+    """The command this process runs, for "rerun it to resume" messages: ``voodoo train ...``
+    for console scripts, ``python -m pkg.mod ...`` for ``-m`` runs."""
+    argv = list(sys.argv if argv is None else argv)
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    if spec is not None and getattr(spec, "name", None) and argv and argv[0].endswith(".py"):
+        head = ["python", "-m", spec.name.removesuffix(".__main__")]
+    else:
+        head = [os.path.basename(argv[0]) if argv else "python"]
+    return shlex.join(head + argv[1:])
+
+
+def _first_line(err: BaseException) -> str:
+    lines = [ln.strip() for ln in str(err).splitlines() if ln.strip()]
+    return f"{type(err).__name__}: {lines[0] if lines else ''}"[:300]
+
+
+def _failure_message(err, run_name: str, run_dir: str, max_failures: int, max_steps: int,
+                     resume_command: str | None) -> TrainingFailed:
+    fails = dict(getattr(err, "worker_failures", None) or {})
+    died = sorted(r for r, e in fails.items() if _worker_died(e))
+    if died:
+        what = (f"worker rank{'s' if len(died) > 1 else ''} {', '.join(map(str, died))} died "
+                f"({_first_line(fails[died[0]])})")
+    elif fails:
+        r0 = sorted(fails)[0]
+        what = f"worker rank {r0} failed ({_first_line(fails[r0])})"
+    else:
+        what = f"Ray Train failed ({_first_line(err)})"
+    tries = "no restart allowed" if max_failures == 0 else f"after {max_failures} restart(s)"
+    found = newest_checkpoint(run_dir)
+    if found is None:
+        kept = "no checkpoint was complete yet, so a rerun starts from step 0"
+        ck, step = None, 0
+    else:
+        ck, step = str(found[0]), found[1]
+        kept = f"kept checkpoint {ck} (step {step} of {max_steps})"
+    cmd = resume_command or command_line()
+    more = "" if "--max_failures" in cmd or max_failures > 0 else \
+        " (add --max_failures N to restart dead workers by itself)"
+    msg = (f"gate training run {run_name} stopped: {what}, {tries} (--max_failures "
+           f"{max_failures}); {kept}; resume with: {cmd}{more}")
+    return TrainingFailed(msg, run_name, ck, step, cmd)
+
+
 # --------------------------------------------------------------------------- the driver
 
 
@@ -515,7 +806,8 @@ def run_training(factory: Callable[[WorkerInfo], StudentJob], cfg: TrainConfig, 
                  report_every: int = 1, stop_after: int | None = None,
                  step_hook: Callable | None = None, shared: Any = None,
                  callbacks: list | None = None, report_objective: bool = False,
-                 init_logits: dict | None = None) -> RunResult:
+                 init_logits: dict | None = None,
+                 resume_command: str | None = None) -> RunResult:
     """Trains gates with a ``TorchTrainer``; returns the final state from its last checkpoint.
 
     Args:
@@ -541,11 +833,18 @@ def run_training(factory: Callable[[WorkerInfo], StudentJob], cfg: TrainConfig, 
         callbacks: RunConfig callbacks (e.g. Tune's ``TuneReportCallback``).
         init_logits: gguf_name -> (K,) starting logits (needed for ``gate_init="fisher"``;
             :func:`voodoo.pipeline.fisher_prior`), sent to every worker.
+        resume_command: the command a user reruns to resume, named in :class:`TrainingFailed`
+            (default: this process's command line, :func:`command_line`).
 
-    Raises ValueError for inconsistent sizes; ``ray.train.TrainingFailedError`` when the run
-    fails more than ``max_failures`` times (the workers' error inside)."""
+    The result is read from the newest complete checkpoint on storage
+    (:func:`newest_checkpoint`).
+
+    Raises ValueError for inconsistent sizes; the worker's own exception (not retried) for
+    :data:`TERMINAL_ERRORS`; :class:`TrainingFailed` when workers died more than
+    ``max_failures`` times (one line: what happened, the checkpoint kept, the command that
+    resumes)."""
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
+    from ray.train import TrainingFailedError
 
     tensor_parallel = int(tensor_parallel)
     if tensor_parallel < 1:
@@ -572,21 +871,33 @@ def run_training(factory: Callable[[WorkerInfo], StudentJob], cfg: TrainConfig, 
         "init_logits": ({k: torch.as_tensor(v).float() for k, v in init_logits.items()}
                         if init_logits is not None else None),
         "local_dir": os.path.join(storage, run_name) if num_workers == 0 else None,
+        "run_dir": os.path.join(storage, run_name),
     }
     scaling = ScalingConfig(num_workers=num_workers, use_gpu=use_gpu and num_workers > 0,
                             resources_per_worker=resources_per_worker)
     run_config = RunConfig(name=run_name, storage_path=storage,
                            failure_config=FailureConfig(max_failures=max_failures),
-                           checkpoint_config=CheckpointConfig(num_to_keep=num_to_keep),
+                           # the loop prunes its own checkpoints (see the module docstring)
+                           checkpoint_config=CheckpointConfig(num_to_keep=None),
                            callbacks=callbacks)
-    trainer = TorchTrainer(train_loop_per_worker, train_loop_config=loop_config,
-                           scaling_config=scaling, run_config=run_config)
-    result = trainer.fit()
-    if result.checkpoint is None:
-        raise RuntimeError(f"run {run_name} finished without a checkpoint")
-    with result.checkpoint.as_directory() as d:
-        st = load_checkpoint_state(d)
-        path = result.checkpoint.path
+    trainer = _trainer_class()(train_loop_per_worker, train_loop_config=loop_config,
+                               scaling_config=scaling, run_config=run_config)
+    run_dir = loop_config["run_dir"]
+    try:
+        result = trainer.fit()
+    except TrainingFailedError as e:
+        fails = dict(getattr(e, "worker_failures", None) or {})
+        terminal = [fails[r] for r in sorted(fails) if is_terminal_error(fails[r])]
+        if terminal and not any(_worker_died(x) for x in fails.values()):
+            raise terminal[0] from None  # the worker's own error: bad input, not Ray's
+        raise _failure_message(e, run_name, run_dir, max_failures, cfg.max_steps,
+                               resume_command) from e
+    found = newest_checkpoint(run_dir)
+    if found is None:
+        raise RuntimeError(f"run {run_name} finished without a complete checkpoint in "
+                           f"{run_dir}")
+    st = load_checkpoint_state(found[0])
+    path = str(found[0])
     return RunResult(gates=st["gates"], step=int(st["step"]),
                      finished=int(st["step"]) >= cfg.max_steps,
                      budget_bytes=int(st["budget_bytes"]), history=list(st["history"]),

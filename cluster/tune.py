@@ -58,7 +58,8 @@ class TuneBackend:
         from ray import tune
         return tune.get_checkpoint()
 
-    def report(self, metrics: dict, checkpoint_dir: str | None = None) -> None:
+    def report(self, metrics: dict, checkpoint_dir: str | None = None,
+               name: str | None = None) -> None:
         from ray import tune
         ck = None if checkpoint_dir is None else tune.Checkpoint.from_directory(checkpoint_dir)
         tune.report(metrics, checkpoint=ck)

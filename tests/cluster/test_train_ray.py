@@ -1,6 +1,7 @@
 """cluster.train: gate training on Ray Train V2 -- in-process runs and their resume, the
-layer-wise device map, and a worker killed mid-run resuming from its last checkpoint.
-Tiny random Llama (cluster.toy), a few steps."""
+layer-wise device map, a worker killed mid-run on a loaded machine resuming from the newest
+complete checkpoint on storage, incomplete checkpoints skipped, and errors that no retry can fix
+raised once. Tiny random Llama (cluster.toy), a few steps."""
 
 from __future__ import annotations
 
@@ -9,9 +10,10 @@ import torch
 
 ray = pytest.importorskip("ray")
 
-from ray_session import local_ray  # noqa: E402
-from cluster.toy import KillOnce, TinyLlamaFactory  # noqa: E402
-from cluster.train import dispatch_layers, parse_device_map, run_training  # noqa: E402
+from ray_session import cpu_hog, local_ray  # noqa: E402
+from cluster.toy import KillOnce, RaiseAt, TinyLlamaFactory  # noqa: E402
+from cluster.train import (TrainingFailed, checkpoint_complete, dispatch_layers,  # noqa: E402
+                           newest_checkpoint, parse_device_map, run_training)
 from voodoo.train import TrainConfig  # noqa: E402
 
 pytestmark = pytest.mark.ray
@@ -77,23 +79,72 @@ def ray_up():
         yield
 
 
-def test_killed_worker_resumes_from_checkpoint(tmp_path, reference, ray_up):
-    marker, log = tmp_path / "killed", tmp_path / "steps"
-    hook = KillOnce(str(marker), at_step=5, steps_log=str(log))
-    res = run_training(TinyLlamaFactory(), _cfg(), num_workers=1, run_name="kill",
-                       storage_path=tmp_path / "runs", max_failures=1, step_hook=hook,
-                       resources_per_worker={"CPU": 0.5})
-    assert marker.exists()
-    # Steps 1..5, killed after 5 (checkpoint at 4), resumed: 5 and 6 again.
-    assert [int(s) for s in log.read_text().split()] == [1, 2, 3, 4, 5, 5, 6]
+def _newest_at_kill(marker) -> int:
+    """The newest complete checkpoint's step that KillOnce read from storage when it killed."""
+    return int(marker.read_text().splitlines()[1])
+
+
+def test_killed_worker_resumes_from_newest_complete_checkpoint(tmp_path, reference, ray_up):
+    """Killed right after the step-4 checkpoint was written, on a loaded machine: Ray Train's
+    controller has usually not taken in that report yet (it then offers the step-2 one), and
+    the run must still go on from the newest complete checkpoint on storage."""
+    marker, log, runs = tmp_path / "killed", tmp_path / "steps", tmp_path / "runs"
+    hook = KillOnce(str(marker), at_step=4, steps_log=str(log), run_dir=str(runs / "kill"))
+    with cpu_hog(nice=10):
+        res = run_training(TinyLlamaFactory(), _cfg(), num_workers=1, run_name="kill",
+                           storage_path=runs, max_failures=1, step_hook=hook,
+                           resources_per_worker={"CPU": 0.5})
+    newest = _newest_at_kill(marker)
+    assert newest == 4  # the step-4 checkpoint was complete on storage before the kill
+    # steps 1..4, killed after 4, resumed after the newest complete checkpoint: no step redone
+    assert [int(s) for s in log.read_text().split()] == [1, 2, 3, 4, *range(newest + 1, 7)]
     assert res.finished and res.step == 6 and len(res.history) == 6
     _same_gates(res.gates, reference.gates, atol=1e-6)
+    # every checkpoint left is complete, num_to_keep (2) of them, the last one the result
+    left = sorted(p.name for p in (runs / "kill").glob("checkpoint_0*"))
+    assert left == ["checkpoint_000004", "checkpoint_000006"]
+    assert all(checkpoint_complete(runs / "kill" / n) for n in left)
+    assert res.checkpoint_path == str(runs / "kill" / "checkpoint_000006")
+
+
+def test_incomplete_checkpoint_is_not_resumed(tmp_path, reference):
+    """A checkpoint folder whose files are not all there (or changed) is skipped."""
+    first = run_training(TinyLlamaFactory(), _cfg(), num_workers=0, run_name="r",
+                         storage_path=tmp_path, stop_after=4)
+    run = tmp_path / "r"
+    assert newest_checkpoint(run) == (run / "checkpoint_000004", 4)
+    man = checkpoint_complete(run / "checkpoint_000004")
+    assert man["step"] == 4 and man["world_size"] == 1
+    assert set(man["files"]) == {"state.pt", "meta.json", "rank-0000.pt"}
+    (run / "checkpoint_000004" / "rank-0000.pt").write_bytes(b"truncated")
+    assert checkpoint_complete(run / "checkpoint_000004") is None
+    assert newest_checkpoint(run) == (run / "checkpoint_000002", 2)
+    (run / "checkpoint_000002" / "complete.json").unlink()  # died before the manifest
+    assert newest_checkpoint(run) is None
+    assert first.step == 4
 
 
 def test_failure_beyond_max_failures_raises(tmp_path, ray_up):
-    from ray.train import TrainingFailedError
     hook = KillOnce(str(tmp_path / "killed"), at_step=1)
-    with pytest.raises(TrainingFailedError):
+    with pytest.raises(TrainingFailed, match="died"):
         run_training(TinyLlamaFactory(), _cfg(max_steps=2), num_workers=1, run_name="fail",
                      storage_path=tmp_path / "runs", max_failures=0, step_hook=hook,
+                     resources_per_worker={"CPU": 0.5})
+
+
+def test_terminal_error_is_not_retried(tmp_path, ray_up):
+    """A ValueError from the training function (bad input, non-finite weights) can never
+    succeed: raised once, no restart despite max_failures=2, the worker's own error."""
+    log = tmp_path / "raised"
+    with pytest.raises(ValueError, match="non-finite weights in blk.0.ffn_down.weight"):
+        run_training(TinyLlamaFactory(), _cfg(max_steps=3), num_workers=1, run_name="bad",
+                     storage_path=tmp_path / "runs", max_failures=2,
+                     step_hook=RaiseAt(str(log), at_step=1), resources_per_worker={"CPU": 0.5})
+    assert log.read_text().count("raised") == 1  # Ray's default would have run it 3 times
+    # a checkpoint of another run is the same kind of error: refused at once, not retried
+    run_training(TinyLlamaFactory(), _cfg(max_steps=2), num_workers=0, run_name="other",
+                 storage_path=tmp_path / "runs")
+    with pytest.raises(ValueError, match="different run"):
+        run_training(TinyLlamaFactory(), _cfg(max_steps=2, lr=0.2), num_workers=1,
+                     run_name="other", storage_path=tmp_path / "runs", max_failures=2,
                      resources_per_worker={"CPU": 0.5})

@@ -1,0 +1,155 @@
+"""A local Ray that ends with the Voodoo process that started it, however that process ends.
+
+``ray.init()`` without an address (and no ``RAY_ADDRESS``) starts a local Ray: GCS server,
+raylet, dashboard and runtime-env agents, and worker processes, all children of the driver.
+How each way of ending the driver treats them (Ray 2.60, measured):
+
+- normal exit, an exception, Ctrl-C (``KeyboardInterrupt``): ``ray.shutdown()`` runs (Ray
+  registers it with ``atexit``) and stops them all;
+- ``SIGTERM``: Python's default action ends the process without ``atexit``; :func:`ensure_ray`
+  turns SIGTERM into ``SystemExit(143)`` (when no handler is set) so the shutdown runs;
+- ``SIGKILL`` (or an OOM kill): nothing runs in the driver. GCS, raylet and the workers notice
+  and exit within seconds, but the ``ray::DashboardAgent`` and ``ray::RuntimeEnvAgent``
+  processes stay alive (over a minute, measured; they hold ports and ~100 MiB each).
+  :func:`ensure_ray` therefore starts a small **watchdog** process (``python -m
+  cluster.session watch PID``) that follows the driver's process tree every half second and,
+  once the driver is gone, sends SIGTERM, then SIGKILL after 3 s, to the processes it last saw
+  in that tree (each checked by pid *and* start time, so a reused pid is never hit).
+
+``ray stop`` is the manual way out: it kills **every** Ray process of the user on the machine
+(all local clusters, other people's runs included on a shared account) and removes
+``/tmp/ray/ray_current_cluster``; ``ray stop --force`` uses SIGKILL. The watchdog only touches
+the processes of the Ray that this driver started. A Ray that Voodoo joined (``RAY_ADDRESS``,
+``ray job submit``, a cluster started with ``ray start``) is never stopped by Voodoo.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+__all__ = ["ensure_ray", "started_local_ray", "watch"]
+
+_WATCHDOG: subprocess.Popen | None = None
+
+
+def _descendants(pid: int) -> list:
+    import psutil
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.Error:
+        return []
+
+
+def started_local_ray() -> bool:
+    """True when this process is the parent of a running ``raylet`` (it started a local Ray)."""
+    return any(_name(p) == "raylet" for p in _descendants(os.getpid()))
+
+
+def _name(p) -> str:
+    try:
+        return p.name()
+    except Exception:  # noqa: BLE001 - a process that just ended
+        return ""
+
+
+def _is_ray(p) -> bool:
+    """A process of Ray's (raylet, GCS, ``ray::`` workers and agents, Ray's Python helpers);
+    other children of the driver (llama.cpp tools...) are left alone."""
+    name = _name(p)
+    if name in ("raylet", "gcs_server") or name.startswith("ray::"):
+        return True
+    try:
+        cmd = p.cmdline()
+    except Exception:  # noqa: BLE001
+        return False
+    return any(a.startswith("ray::") or f"{os.sep}ray{os.sep}" in a for a in cmd)
+
+
+def _sigterm_to_exit(signum, frame):
+    raise SystemExit(128 + signum)
+
+
+def ensure_ray(**init_kwargs) -> bool:
+    """``ray.init(**init_kwargs)`` unless Ray is up. When that started a local Ray, SIGTERM is
+    made to exit through ``ray.shutdown()`` (if the main thread has no SIGTERM handler yet) and
+    a watchdog process stops the local Ray if this process is SIGKILLed (module docstring).
+    Returns True when this call started a local Ray."""
+    global _WATCHDOG
+    import ray
+    if ray.is_initialized():
+        return False
+    ray.init(**init_kwargs)
+    if not started_local_ray():
+        return False
+    import threading
+    if (threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None)):
+        signal.signal(signal.SIGTERM, _sigterm_to_exit)
+    if _WATCHDOG is None or _WATCHDOG.poll() is not None:
+        _WATCHDOG = subprocess.Popen(
+            [sys.executable, "-m", "cluster.session", "watch", str(os.getpid())],
+            stdin=subprocess.DEVNULL, start_new_session=True,
+            env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                [os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                 *([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])])})
+    return True
+
+
+def watch(pid: int, interval: float = 0.5, grace: float = 3.0) -> int:
+    """Follows the process tree of ``pid`` until ``pid`` ends, then stops what was last seen in
+    it (SIGTERM, SIGKILL after ``grace`` seconds). Returns the number of processes stopped."""
+    import psutil
+    me = os.getpid()
+    try:
+        driver = psutil.Process(pid)
+        born = driver.create_time()
+    except psutil.Error:
+        return 0
+    seen: dict[int, float] = {}
+    while True:
+        try:
+            alive = driver.is_running() and driver.create_time() == born and \
+                driver.status() != psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            alive = False
+        if not alive:
+            break
+        for p in _descendants(pid):
+            if p.pid != me and p.pid not in seen and _is_ray(p):
+                try:
+                    seen[p.pid] = p.create_time()
+                except psutil.Error:
+                    pass
+        time.sleep(interval)
+    procs = []
+    for p_id, t in seen.items():
+        try:
+            p = psutil.Process(p_id)
+            if p.create_time() == t:
+                procs.append(p)
+        except psutil.Error:
+            pass
+    for p in procs:
+        try:
+            p.terminate()
+        except psutil.Error:
+            pass
+    _, left = psutil.wait_procs(procs, timeout=grace)
+    for p in left:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    return len(procs)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "watch":
+        watch(int(sys.argv[2]))
+        sys.exit(0)
+    print("usage: python -m cluster.session watch PID", file=sys.stderr)
+    sys.exit(2)
