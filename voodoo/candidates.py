@@ -140,11 +140,15 @@ def imatrix_sha256(row: np.ndarray | None) -> str:
     Raises TypeError for a non-float32 row."""
     if row is None:
         return _NO_IMATRIX
-    if not isinstance(row, np.ndarray) or row.dtype != np.float32 or row.ndim != 1:
-        raise TypeError(f"an imatrix row must be float32 of shape (n_per_row,), got "
+    if not isinstance(row, np.ndarray) or row.dtype != np.float32 or row.ndim not in (1, 2):
+        raise TypeError(f"an imatrix row must be float32 of shape (n_per_row,) or (n_expert, "
+                        f"n_per_row), got "
                         f"{getattr(row, 'dtype', type(row).__name__)} "
                         f"{getattr(row, 'shape', '')}")
-    return hashlib.sha256(memoryview(np.ascontiguousarray(row)).cast("B")).hexdigest()
+    h = hashlib.sha256(memoryview(np.ascontiguousarray(row)).cast("B"))
+    if row.ndim == 2 and row.shape[0] > 1:  # per-expert vectors: the shape is part of the key
+        h.update(f":{row.shape[0]}x{row.shape[1]}".encode())
+    return h.hexdigest()
 
 
 #: llama-quantize ignores (with a warning) an imatrix entry of the wrong size for this tensor
@@ -174,13 +178,15 @@ def effective_imatrix(imatrix_row: np.ndarray | None, gguf_name: str | None,
     if not isinstance(imatrix_row, np.ndarray) or imatrix_row.dtype != np.float32:
         raise TypeError(f"imatrix row for {gguf_name!r} must be float32, got "
                         f"{getattr(imatrix_row, 'dtype', type(imatrix_row).__name__)}")
-    row = np.ascontiguousarray(imatrix_row).reshape(-1)
-    if row.shape[0] != n_per_row:
+    row = np.ascontiguousarray(imatrix_row)
+    if row.ndim == 2 and row.shape[0] == 1:
+        row = row[0]
+    if row.shape[-1] != n_per_row:
         if gguf_name in _IMATRIX_SIZE_TOLERANT:
             log.warning("imatrix row for %s has %d entries, the tensor %d per row: ignored "
                         "(as llama-quantize does)", gguf_name, row.shape[0], n_per_row)
             return None
-        raise ValueError(f"imatrix row for {gguf_name!r} has {row.shape[0]} entries but the "
+        raise ValueError(f"imatrix row for {gguf_name!r} has {row.shape[-1]} entries but the "
                          f"tensor has {n_per_row} weights per row (llama-quantize refuses this)")
     return row
 
@@ -236,6 +242,17 @@ def quantize_candidate(w: np.ndarray, type_name, imatrix_row: np.ndarray | None,
     w = _as_f32_2d(w)
     t = qtype(type_name)
     im = effective_imatrix(imatrix_row, gguf_name, w.shape[1])
+    if im is not None and im.ndim == 2:
+        # stacked experts: llama-quantize quantizes expert e's rows with imatrix vector e
+        # (``llama_tensor_quantize_impl``'s loop over ne[2], src/llama-quant.cpp)
+        n_exp = im.shape[0]
+        if w.shape[0] % n_exp:
+            raise ValueError(f"{gguf_name}: {w.shape[0]} rows do not split into {n_exp} experts")
+        per = w.shape[0] // n_exp
+        return np.concatenate([cython_ggml.quantize(
+            np.ascontiguousarray(w[e * per:(e + 1) * per]), t.name,
+            imatrix=np.ascontiguousarray(im[e]), n_threads=n_threads, tensor_name=gguf_name)
+            for e in range(n_exp)])
     return cython_ggml.quantize(w, t.name, imatrix=im, n_threads=n_threads,
                                 tensor_name=gguf_name)
 

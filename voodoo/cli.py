@@ -310,18 +310,20 @@ def _out_dir(a, ctx=None) -> Path:
 
 def _check_model_early(model_arg: str) -> None:
     """Cheap checks of an HF folder before anything is converted or loaded: it is a causal LM
-    (``config.json``) and an adapter can map its architecture. Raises ValueError subclasses
+    (``config.json``) and llama.cpp's pinned converter knows its architecture. Raises ValueError subclasses
     naming the problem (ModelPreparationError / UnsupportedArchitecture)."""
     p = Path(os.path.expanduser(str(model_arg)))
     if not (p.is_dir() and (p / "config.json").is_file()):
         return  # prepare_model reports missing paths, .gguf files and hub ids itself
-    from types import SimpleNamespace
-
-    from .arch import get_adapter
-    from .models import _check_causal_lm
-    cfg = _check_causal_lm(p)
-    get_adapter(SimpleNamespace(architectures=cfg.get("architectures"),
-                                model_type=cfg.get("model_type")))
+    from .llamacpp import LlamaCppNotBuilt, source_dir
+    from .models import converter_info
+    import json as _json
+    try:
+        source_dir()
+    except LlamaCppNotBuilt:
+        return
+    # the converter must know the architecture (raises ModelPreparationError naming it)
+    converter_info(_json.loads((p / "config.json").read_text()))
 
 
 def _check_upgrade_patterns(rules, names) -> None:

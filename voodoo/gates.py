@@ -29,6 +29,8 @@ No Ray, no architecture names here.
 from __future__ import annotations
 
 import math
+
+import numpy as np
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -38,7 +40,7 @@ from torch import nn
 __all__ = [
     "MixedWeight", "MixedQuantLinear", "MixedQuantEmbedding", "install_gates", "init_gates",
     "mixed_weights", "gate_parameters", "gate_state", "load_gate_state", "set_temperature",
-    "model_expected_bytes", "GATE_INITS",
+    "model_expected_bytes", "GATE_INITS", "install_param_gates", "ParamGates", "mix_weight",
 ]
 
 #: Gate initialisations understood by :func:`init_gates`.
@@ -212,6 +214,9 @@ class MixedWeight(nn.Module):
     @property
     def shape(self) -> tuple[int, int]:
         """(n_rows, n_per_row)."""
+        store = getattr(self, "store", None)
+        if store is not None:
+            return tuple(store.shape2d)
         return tuple(self.candidates.shape[1:])
 
     def probs(self) -> torch.Tensor:
@@ -490,3 +495,245 @@ def model_expected_bytes(model: nn.Module) -> torch.Tensor:
     if not mws:
         raise ValueError("the model has no gates; call install_gates first")
     return torch.stack([m.expected_bytes() for m in mws]).sum()
+
+
+# ------------------------------------------------------------- gates on any HF parameter
+
+
+class _MixFn(torch.autograd.Function):
+    """``W = sum_k p_k cand[k]``: probs (K,) float32, cand (K, R, C) buffer -> (R, C) in
+    ``out_dtype``. Backward: ``dL/dp_k = <cand[k], dL/dW>`` (float32); nothing K-fold is kept
+    in the graph (the candidates are a reference)."""
+
+    @staticmethod
+    def forward(ctx, probs, cand, out_dtype):
+        ctx.save_for_backward(probs, cand)
+        return _mix(probs, cand, out_dtype)
+
+    @staticmethod
+    def backward(ctx, g):
+        probs, cand = ctx.saved_tensors
+        gp = _dots(cand, g).to(probs.dtype) if ctx.needs_input_grad[0] else None
+        return gp, None, None
+
+
+def mix_weight(mw: MixedWeight, dtype: torch.dtype) -> torch.Tensor:
+    """The gated mixture of ``mw`` as a differentiable ``(n_rows, n_per_row)`` tensor in
+    ``dtype`` (GGUF layout, experts stacked as rows)."""
+    store = getattr(mw, "store", None)
+    if store is not None:  # candidates held elsewhere (e.g. voodoo.lazy.QuantizedCandidates)
+        return store.mix_autograd(mw.probs(), dtype)
+    return _MixFn.apply(mw.probs(), mw.candidates, dtype)
+
+
+def _key(name: str) -> str:
+    return name.replace(".", "__")
+
+
+class ParamGates(nn.Module):
+    """The gates of a model whose HF parameters are mixtures of GGUF tensors' candidates,
+    mapped back through a :class:`voodoo.tensormap.TensorMap`.
+
+    Every HF parameter that a selectable GGUF tensor reads stops being a Parameter: before each
+    forward of the model (a forward pre-hook on the root module) it is recomputed from the
+    gates -- each GGUF tensor's mixture ``sum_k p_k W_k`` (GGUF layout), its rows placed back
+    where the converter took them (inverse row permutation, transpose, split, divided by the
+    converter's scale) -- and set as a plain tensor attribute on every module that owned it
+    (both modules of a tied embedding). So the HF modules' own forwards run unchanged (scaled
+    embeddings, ``.weight`` reads, fused 3-D experts, custom kernels). Elements of a parameter
+    that no selectable tensor covers keep their value (a frozen buffer).
+
+    Submodules: ``mixed`` (ModuleDict of :class:`MixedWeight`, one per GGUF tensor) and
+    ``base`` (buffers of partly covered parameters)."""
+
+    def __init__(self, model: nn.Module, tmap, mixed: Mapping[str, MixedWeight]):
+        super().__init__()
+        self.mixed = nn.ModuleDict({_key(n): mw for n, mw in mixed.items()})
+        self.base = nn.Module()
+        self._plan = []          # [(param name, shape, transpose, dtype, owners, [(gguf, link)], full)]
+        owners: dict[int, list[tuple[nn.Module, str]]] = {}
+        names: dict[int, str] = {}
+        for mod in model.modules():
+            for attr, p in list(mod._parameters.items()):
+                if p is not None:
+                    owners.setdefault(id(p), []).append((mod, attr))
+        params = dict(model.named_parameters(remove_duplicate=True))
+        for pname, links in tmap.by_param().items():
+            if pname not in params:
+                raise ValueError(f"the tensor map reads {pname!r}, which the model does not have "
+                                 "(a map derived for another model)")
+            p = params[pname]
+            names[id(p)] = pname
+            transposes = {lk.transpose for _, lk in links}
+            if len(transposes) != 1:
+                raise ValueError(f"{pname}: read both transposed and not by the GGUF tensors "
+                                 f"{sorted({e.gguf_name for e, _ in links})}")
+            t = transposes.pop()
+            from .tensormap import row_view
+            view = row_view(p.detach(), t)
+            covered = np.zeros(view.shape[0], bool)
+            full_cols = True
+            for e, lk in links:
+                if e.gguf_name not in mixed:
+                    raise ValueError(f"no gate for {e.gguf_name}")
+                covered[lk.p_rows] = True
+                if lk.cols is not None and lk.cols.size != view.shape[1]:
+                    full_cols = False
+            full = bool(covered.all()) and full_cols
+            if not full:
+                self.base.register_buffer(_key(pname), view.clone(), persistent=False)
+            own = owners[id(p)]
+            simple = (len(links) == 1 and full and links[0][1].cols is None and
+                      links[0][1].scale is None and
+                      np.array_equal(links[0][1].p_rows, np.arange(view.shape[0])) and
+                      np.array_equal(links[0][1].g_rows, np.arange(links[0][0].n_rows)))
+            self._plan.append((pname, tuple(p.shape), t, p.dtype, own,
+                               [(e.gguf_name, lk) for e, lk in links], full, simple))
+            for mod, attr in own:
+                del mod._parameters[attr]
+                setattr(mod, attr, p.detach())
+        self._hook = model.register_forward_pre_hook(self._refresh)
+
+    def remove(self) -> None:
+        """Removes the forward pre-hook (the model then keeps its last weights)."""
+        self._hook.remove()
+
+    def _refresh(self, module, args):
+        self.assemble()
+
+    def assemble(self) -> None:
+        """Recomputes every gated HF parameter from the gates and sets it on its modules."""
+        cache: dict[str, torch.Tensor] = {}
+        for pname, shape, t, dtype, owners, links, full, simple in self._plan:
+            w = self._param(pname, shape, t, dtype, links, full, simple, cache)
+            for mod, attr in owners:
+                setattr(mod, attr, w)
+
+    def _param(self, pname, shape, t, dtype, links, full, simple, cache):
+        def mixed(g):
+            if g not in cache:
+                cache[g] = mix_weight(self.mixed[_key(g)], dtype)
+            return cache[g]
+
+        base = None if full else getattr(self.base, _key(pname))
+        dev = self.mixed[_key(links[0][0])].logits.device
+        return assemble_param(shape, t, links, mixed, base, dtype, dev, simple)
+
+
+def assemble_param(shape, transpose: bool, links, get, base, dtype, device,
+                   simple: bool = False) -> torch.Tensor:
+    """One HF parameter (``shape``) from GGUF tensors: ``links`` [(gguf_name, Link)] reading it,
+    ``get(gguf_name)`` -> that tensor's ``(n_rows, n_per_row)`` values; rows placed where the
+    converter took them (inverse of :meth:`voodoo.tensormap.TensorMap.to_gguf`: divided by the
+    scale, columns un-permuted, transposed back). ``base``: the parameter's row view, for the
+    elements no link covers (None when every element is covered). Differentiable in ``get``'s
+    tensors."""
+    from .tensormap import _idx
+
+    def unview(v):
+        if len(shape) <= 1:
+            return v.reshape(shape)
+        if transpose:
+            sw = list(shape)
+            sw[-1], sw[-2] = sw[-2], sw[-1]
+            return v.reshape(sw).transpose(-1, -2)
+        return v.reshape(shape)
+
+    if simple:
+        return unview(get(links[0][0]))
+    if base is None:
+        if len(shape) <= 1:
+            n_rows, n_cols = 1, (shape[0] if shape else 1)
+        elif transpose:
+            n_rows, n_cols = int(np.prod(shape[:-2])) * shape[-1], shape[-2]
+        else:
+            n_rows, n_cols = int(np.prod(shape[:-1])), shape[-1]
+        v = torch.zeros(n_rows, n_cols, dtype=dtype, device=device)
+    else:
+        v = base.to(device=device, dtype=dtype)
+    for g, lk in links:
+        rows = get(g).to(device=device, dtype=dtype).index_select(0, _idx(lk.g_rows, device))
+        if lk.scale is not None:
+            rows = rows / torch.as_tensor(lk.scale, dtype=rows.dtype, device=device)[:, None]
+        if lk.cols is None:
+            v = v.index_copy(0, _idx(lk.p_rows, device), rows)
+        else:
+            pr = _idx(lk.p_rows, device)[:, None].expand(-1, lk.cols.size)
+            pc = _idx(lk.cols, device)[None, :].expand(pr.shape[0], -1)
+            v = v.index_put((pr, pc), rows)
+    return unview(v)
+
+
+@torch.no_grad()
+def write_gguf_into_params(model: nn.Module, tmap, tensors: Mapping[str, torch.Tensor]) -> None:
+    """Overwrites, in place, every HF parameter the map reads with the values of GGUF tensors
+    ``tensors`` (gguf_name -> ``(n_rows, n_per_row)``, e.g. dequantized Q8_0 for a Q8_0
+    teacher), mapped back through ``tmap``. Raises KeyError for a missing tensor."""
+    from .tensormap import row_view
+    params = dict(model.named_parameters(remove_duplicate=True))
+    for pname, links in tmap.by_param().items():
+        p = params[pname]
+        t = links[0][1].transpose
+        base = row_view(p.detach(), t).clone()
+        w = assemble_param(tuple(p.shape), t, [(e.gguf_name, lk) for e, lk in links],
+                           lambda g: tensors[g], base, p.dtype, p.device)
+        p.copy_(w)
+
+
+def install_param_gates(model: nn.Module, tmap, candidates: Mapping[str, torch.Tensor],
+                        bytes_table: Mapping[str, Sequence[int]], *,
+                        menus: Mapping[str, Sequence[str]] | None = None,
+                        init: str = "uniform", init_bpw: float | None = None,
+                        init_strength: float = 2.0, freeze: bool = True,
+                        stores: Mapping[str, nn.Module] | None = None
+                        ) -> dict[str, MixedWeight]:
+    """Gates on any HF parameter: every selectable GGUF tensor of ``tmap`` (a
+    :class:`voodoo.tensormap.TensorMap`) gets a :class:`MixedWeight` over its candidates, and
+    the parameters it reads are recomputed from the gates before each forward
+    (:class:`ParamGates`, attached to the model as ``model.voodoo_gates``).
+
+    Args:
+        model: the transformers model the map was derived for (float32 or bf16), in place.
+        tmap: its tensor map.
+        candidates: gguf_name -> (K, n_rows, n_per_row) dequantized candidates in GGUF layout
+            (experts stacked as rows), on the model's device; float32 or bf16. May omit names
+            given in ``stores``.
+        bytes_table: gguf_name -> K ints, the tensor's bytes as each candidate type.
+        menus: gguf_name -> K type names.
+        init, init_bpw, init_strength: :func:`init_gates`.
+        freeze: only the gate logits require grad afterwards.
+        stores: gguf_name -> a module holding the candidates elsewhere (quantized, see
+            :mod:`voodoo.lazy`), with ``k``, ``shape`` and ``mix_autograd(probs, dtype)``.
+
+    Returns gguf_name -> MixedWeight (sorted by name). Raises ValueError on a missing gate, a
+    candidate shape that is not the tensor's ``(n_rows, n_per_row)``, or a map of another model.
+    """
+    out: dict[str, MixedWeight] = {}
+    for e in tmap:
+        name = e.gguf_name
+        store = (stores or {}).get(name)
+        if store is not None:
+            cand = torch.empty(store.k, 0, 0)
+        elif name in candidates:
+            cand = candidates[name]
+            if tuple(cand.shape[1:]) != e.shape:
+                raise ValueError(f"{name}: candidates are {tuple(cand.shape[1:])} per type, the "
+                                 f"tensor is {e.shape}")
+        else:
+            raise ValueError(f"no candidates for selectable tensor {name}")
+        mw = MixedWeight(cand, bytes_table[name], name, None if menus is None else menus[name])
+        if store is not None:
+            mw.store = store
+        out[name] = mw
+    out = dict(sorted(out.items()))
+    gates = ParamGates(model, tmap, out)
+    model.voodoo_gates = gates
+    init_gates(out, init, init_bpw, init_strength)
+    if freeze:
+        for p in model.parameters():
+            p.requires_grad_(False)
+        for mw in out.values():
+            mw.logits.requires_grad_(True)
+    with torch.no_grad():
+        gates.assemble()
+    return out

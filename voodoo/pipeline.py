@@ -28,9 +28,9 @@ import numpy as np
 import torch
 
 from . import quants
-from .arch import Adapter, TensorSpec, get_adapter
 from .candidates import CandidateCache, CandidateJob
 from .models import PreparedModel, load_hf_model, prepare_model
+from .tensormap import MapEntry, TensorMap
 
 __all__ = [
     "Context", "Timer", "load_context", "base_weights", "make_menus", "parse_types",
@@ -74,34 +74,94 @@ class Timer:
 
 @dataclass
 class Context:
-    """A model ready for the later stages."""
+    """A model ready for the later stages.
+
+    ``tmap``: the tensor map derived from llama.cpp's converter (:mod:`voodoo.tensormap`);
+    ``specs``: its entries (one per selectable GGUF tensor: ``gguf_name``, ``shape`` =
+    ``(n_rows, n_per_row)`` with experts stacked as rows, ``role``, ``tp``); ``adapter``: the
+    architecture's tensor-parallel policy when one is registered (None otherwise)."""
 
     prepared: PreparedModel
-    adapter: Adapter
+    tmap: TensorMap
     model: torch.nn.Module
-    specs: list[TensorSpec]
     tokenizer: object = None
+    adapter: object = None
     extra: dict = field(default_factory=dict)
+
+    @property
+    def specs(self) -> list[MapEntry]:
+        return list(self.tmap.entries)
 
     @property
     def shapes(self) -> dict[str, tuple[int, int]]:
         return {s.gguf_name: tuple(s.shape) for s in self.specs}
 
 
-def load_context(model_arg, work_dir=None, with_tokenizer: bool = True) -> Context:
+def load_context(model_arg, work_dir=None, with_tokenizer: bool = True,
+                 converter_args=None, check: bool = True) -> Context:
     """Prepares ``model_arg`` (see :func:`voodoo.models.prepare_model`), loads it in float32 and
-    lists its selectable tensors through its architecture adapter.
+    derives its tensor map from llama.cpp's converter (:func:`voodoo.tensormap.derive_tensor_map`,
+    cached), checked against the base F32 GGUF (``check``). ``converter_args``: extra
+    ``convert_hf_to_gguf.py`` flags (default: what :func:`voodoo.models.converter_flags` says the
+    model needs).
 
-    Raises ModelPreparationError / UnsupportedArchitecture with what to do."""
+    Raises ModelPreparationError / UnsupportedArchitecture / TensorMapError with what to do."""
+    from .tensormap import check_against_base, derive_tensor_map
     prepared = prepare_model(model_arg, work_dir)
     model = load_hf_model(prepared)
-    adapter = get_adapter(model.config)
-    specs = adapter.selectable(model)
+    if converter_args is None:
+        converter_args = getattr(prepared, "converter_args", None)
+    if converter_args is None:
+        converter_args = _needed_converter_flags(prepared)
+    tmap = derive_tensor_map(model, prepared.hf_dir, converter_args)
+    if check:
+        check_against_base(tmap, model, base_weights(prepared.base_gguf, names=tmap.names))
+    adapter = _tp_adapter(model, tmap)
     tok = None
     if with_tokenizer:
         from transformers import AutoTokenizer
         tok = AutoTokenizer.from_pretrained(prepared.hf_dir)
-    return Context(prepared, adapter, model, specs, tok)
+    return Context(prepared, tmap, model, tok, adapter)
+
+
+def _needed_converter_flags(prepared: PreparedModel) -> list[str]:
+    try:
+        from .models import converter_flags
+    except ImportError:
+        return []
+    try:
+        cfg = json.loads((Path(prepared.hf_dir) / "config.json").read_text())
+        from .llamacpp import source_dir
+        return list(converter_flags(cfg, source_dir()))
+    except Exception:  # noqa: BLE001 -- flags are an optimisation of the converter's defaults
+        return []
+
+
+def _tp_adapter(model, tmap: TensorMap):
+    """The registered tensor-parallel adapter of the model's architecture, its policy copied
+    onto the map's entries (``tp``); None when the architecture has none or its tensors are not
+    the adapter's plain Linear/Embedding layout."""
+    from .arch import UnsupportedArchitecture, get_adapter
+    try:
+        adapter = get_adapter(model.config)
+        specs = {s.gguf_name: s for s in adapter.selectable(model)}
+    except (UnsupportedArchitecture, ValueError):
+        return None
+    if set(specs) != set(tmap.names):
+        return None
+    for e in tmap:
+        e.tp = specs[e.gguf_name].tp
+    return adapter
+
+
+def legacy_specs(ctx: Context) -> list:
+    """The adapter's TensorSpecs (module names, TP policy), for the tensor-parallel student.
+    Raises ValueError when the architecture has no tensor-parallel adapter."""
+    if ctx.adapter is None:
+        raise ValueError(f"no tensor-parallel policy for {ctx.tmap.hf_arch}; tensor parallelism "
+                         "needs one (voodoo/arch/). Use --device_map to spread the layers over "
+                         "several GPUs instead")
+    return ctx.adapter.selectable(ctx.model)
 
 
 def load_base_checkpoint(ctx: Context, path) -> None:
@@ -120,15 +180,20 @@ def load_base_checkpoint(ctx: Context, path) -> None:
     ctx.model.load_state_dict({k: other[k] for k in mine})
 
 
-def base_weights(base_gguf) -> dict[str, np.ndarray]:
-    """GGUF name -> float32 (n_rows, n_per_row) view (memory-mapped) of every 2-D tensor of the
-    base F32 GGUF, in GGUF layout."""
+def base_weights(base_gguf, names=None) -> dict[str, np.ndarray]:
+    """GGUF name -> float32 ``(n_rows, n_per_row)`` view (memory-mapped) of every F32 tensor of
+    at least 2 dims of the base F32 GGUF, in GGUF layout; a 3-D tensor (stacked experts) has
+    its experts' rows stacked. ``names``: only these."""
     from gguf import GGMLQuantizationType, GGUFReader
     r = GGUFReader(str(base_gguf))
     out = {}
+    want = set(names) if names is not None else None
     for t in r.tensors:
-        if t.tensor_type == GGMLQuantizationType.F32 and len(t.shape) == 2:
-            out[t.name] = np.asarray(t.data).reshape(int(t.shape[1]), int(t.shape[0]))
+        if want is not None and t.name not in want:
+            continue
+        if t.tensor_type == GGMLQuantizationType.F32 and len(t.shape) >= 2:
+            n_per_row = int(t.shape[0])
+            out[t.name] = np.asarray(t.data).reshape(-1, n_per_row)
     return out
 
 
@@ -142,7 +207,7 @@ def parse_types(text: str | Sequence[str] | None) -> list[str] | None:
     return [quants.qtype(t).name for t in items]
 
 
-def make_menus(specs: Sequence[TensorSpec], candidate_types=None, attention_candidates=None,
+def make_menus(specs: Sequence[MapEntry], candidate_types=None, attention_candidates=None,
                non_attention_candidates=None) -> dict[str, list[str]]:
     """Per tensor, its menu of type names after llama.cpp's shape fallbacks, deduplicated, most
     to fewest bpw (:func:`voodoo.quants.build_menu`). ``candidate_types`` applies to every
@@ -161,7 +226,7 @@ def make_menus(specs: Sequence[TensorSpec], candidate_types=None, attention_cand
     return menus
 
 
-def bytes_table(specs: Sequence[TensorSpec], menus: Mapping[str, Sequence[str]]
+def bytes_table(specs: Sequence[MapEntry], menus: Mapping[str, Sequence[str]]
                 ) -> dict[str, list[int]]:
     """gguf_name -> bytes of the tensor as each menu type (:func:`voodoo.quants.tensor_nbytes`)."""
     return {s.gguf_name: [quants.tensor_nbytes(t, s.n_rows, s.n_per_row)
@@ -219,27 +284,46 @@ def ensure_dataset(ctx: Context, data_dir, source="enwiki", seq_len=512, n_train
 
 
 # ----------------------------------------------------------------------------- imatrix
-def _linear_name_map(ctx: Context) -> dict[str, str]:
-    """HF nn.Linear module name -> GGUF name, for every selectable Linear and tied head."""
+def _linear_name_map(ctx: Context) -> dict[str, str] | None:
+    """HF ``nn.Linear`` module name -> GGUF name, when every selectable tensor is read by
+    llama.cpp as a matmul whose input is exactly some Linear's input: its one link reads a
+    Linear's weight, not transposed, with the columns in order (then the squared input
+    activations of that Linear are the tensor's imatrix). Tied embeddings count through their
+    Linear head. None when some tensor is not like that (stacked experts, fused 3-D parameters,
+    column permutations): the imatrix then comes from llama-imatrix itself."""
+    owners: dict[int, list[str]] = {}
+    for mname, mod in ctx.model.named_modules():
+        if isinstance(mod, torch.nn.Linear):
+            owners.setdefault(id(mod.weight), []).append(mname)
+    params = dict(ctx.model.named_parameters(remove_duplicate=True))
     out = {}
-    for s in ctx.specs:
-        mods = [s.module_name] if s.kind == "linear" else []
-        mods += list(s.tied_to or [])
+    for e in ctx.tmap:
+        if len(e.links) != 1 or len(e.gguf_shape) != 2:
+            return None
+        lk = e.links[0]
+        if lk.transpose or lk.cols is not None or params[lk.param].dim() != 2:
+            return None
+        mods = owners.get(id(params[lk.param]))
+        if not mods:
+            if e.gguf_name.startswith("token_embd"):
+                continue  # an embedding without a Linear head is a get_rows: no imatrix entry
+            return None
         for m in mods:
-            if isinstance(ctx.model.get_submodule(m), torch.nn.Linear):
-                out[m] = s.gguf_name
+            out[m] = e.gguf_name
     return out
 
 
 def ensure_imatrix(ctx: Context, path, blocks: torch.Tensor | None = None,
                    imatrix_file=None, dataset_name: str = "voodoo") -> dict[str, np.ndarray]:
-    """The imatrix as llama-quantize uses it: gguf_name -> float32 (n_per_row,).
+    """The imatrix as llama-quantize uses it: gguf_name -> float32 (n_per_row,), or
+    (n_expert, n_per_row) for stacked experts.
 
     ``imatrix_file`` given: read it (llama.cpp's GGUF form or legacy ``.dat``). Otherwise
-    ``path`` is reused when it exists, else computed from ``blocks`` (calibration tokens; mean
-    squared input activation per column of every selectable Linear, as llama-imatrix does) and
+    ``path`` is reused when it exists, else computed from ``blocks`` (calibration tokens) and
     saved at ``path`` in llama.cpp's GGUF format, so ``llama-quantize --imatrix`` can use the
-    very same file."""
+    very same file: in torch (mean squared input activation per column of each selectable
+    Linear, as llama-imatrix does) when every selectable tensor is a plain Linear's weight, else
+    by ``llama-imatrix`` itself on the base F32 GGUF (experts get one vector each)."""
     from .imatrix import compute_imatrix, read_imatrix, write_imatrix_gguf
     if imatrix_file:
         return read_imatrix(imatrix_file)
@@ -248,8 +332,15 @@ def ensure_imatrix(ctx: Context, path, blocks: torch.Tensor | None = None,
         return read_imatrix(path)
     if blocks is None:
         raise ValueError("no imatrix file and no calibration blocks to compute one")
+    names = _linear_name_map(ctx)
+    if names is None:
+        log(f"computing the imatrix with llama-imatrix on {blocks.shape[0]} x "
+            f"{blocks.shape[1]} calibration tokens")
+        from .imatrix import llama_imatrix
+        llama_imatrix(ctx.prepared.base_gguf, blocks, path, ctx.tokenizer)
+        return read_imatrix(path)
     log(f"computing the imatrix on {blocks.shape[0]} x {blocks.shape[1]} calibration tokens")
-    sums, counts = compute_imatrix(ctx.model, blocks, _linear_name_map(ctx), progress=True)
+    sums, counts = compute_imatrix(ctx.model, blocks, names, progress=True)
     write_imatrix_gguf(path, sums, counts, datasets=[dataset_name],
                        chunk_count=int(blocks.shape[0]), chunk_size=int(blocks.shape[1]))
     return read_imatrix(path)
@@ -258,7 +349,8 @@ def ensure_imatrix(ctx: Context, path, blocks: torch.Tensor | None = None,
 # -------------------------------------------------------------------------- candidates
 def candidate_jobs(ctx: Context, menus, imatrix, weights=None) -> list[CandidateJob]:
     """One job per (tensor, menu type): weights in GGUF layout from the base F32 GGUF."""
-    weights = weights if weights is not None else base_weights(ctx.prepared.base_gguf)
+    weights = weights if weights is not None else base_weights(ctx.prepared.base_gguf,
+                                                               names=ctx.tmap.names)
     jobs = []
     for s in ctx.specs:
         w = weights.get(s.gguf_name)
@@ -290,22 +382,47 @@ def _dequantized(cache: CandidateCache, key, type_name: str, n_per_row: int) -> 
     return cg.dequantize(np.ascontiguousarray(data), type_name, n_per_row)
 
 
+def candidate_tensors(ctx: Context, menus, keys, cache: CandidateCache, dtype=torch.float32,
+                      device="cpu") -> dict[str, torch.Tensor]:
+    """gguf_name -> (K, n_rows, n_per_row) candidates in GGUF layout, dequantized by libggml
+    exactly as llama.cpp does, in ``dtype`` on ``device``."""
+    out = {}
+    for s in ctx.specs:
+        out[s.gguf_name] = torch.stack([torch.from_numpy(np.ascontiguousarray(
+            _dequantized(cache, keys[(s.gguf_name, t)], t, s.n_per_row))).to(dtype)
+            for t in menus[s.gguf_name]]).to(device)
+    return out
+
+
 def build_student(ctx: Context, menus, keys, cache: CandidateCache, dtype=torch.float32,
                   device="cpu"):
-    """Installs the gates on ``ctx.model`` (in place): each selectable tensor gets its K
-    candidates, dequantized by libggml exactly as llama.cpp does and un-permuted to HF layout.
-    Returns gguf_name -> MixedWeight."""
-    from .gates import install_gates
-    cands, table = {}, bytes_table(ctx.specs, menus)
-    for s in ctx.specs:
-        stack = []
-        for t in menus[s.gguf_name]:
-            deq = _dequantized(cache, keys[(s.gguf_name, t)], t, s.n_per_row)
-            stack.append(torch.from_numpy(np.ascontiguousarray(
-                ctx.adapter.gguf_rows_to_hf(s.gguf_name, deq))).to(dtype))
-        cands[s.gguf_name] = torch.stack(stack).to(device)
+    """Installs the gates on ``ctx.model`` (in place): each selectable GGUF tensor gets its K
+    candidates (dequantized by libggml exactly as llama.cpp does, GGUF layout), and the HF
+    parameters it reads are recomputed from the gates through the tensor map
+    (:func:`voodoo.gates.install_param_gates`). Returns gguf_name -> MixedWeight."""
+    from .gates import install_param_gates
+    cands, table = candidate_tensors(ctx, menus, keys, cache, dtype, device), \
+        bytes_table(ctx.specs, menus)
     ctx.model.to(device)
-    return install_gates(ctx.model, ctx.specs, cands, table, menus=menus)
+    return install_param_gates(ctx.model, ctx.tmap, cands, table, menus=menus)
+
+
+def build_student_tp(ctx: Context, menus, keys, cache: CandidateCache, dtype=torch.float32,
+                     device="cpu"):
+    """The tensor-parallel student: the adapter's Linear/Embedding modules replaced by gated
+    modules (:func:`voodoo.gates.install_gates`), which :mod:`cluster.tp` then shards; HF
+    layout from the tensor map's row permutation. Raises ValueError without a TP adapter."""
+    from .gates import install_gates
+    specs = legacy_specs(ctx)
+    cands = candidate_tensors(ctx, menus, keys, cache, dtype, "cpu")
+    hf = {}
+    for s in specs:
+        lk = ctx.tmap[s.gguf_name].links[0]
+        inv = np.empty_like(lk.p_rows)
+        inv[lk.p_rows] = lk.g_rows   # HF row r holds GGUF row inv[r]
+        hf[s.gguf_name] = cands[s.gguf_name][:, torch.from_numpy(inv)].to(device)
+    ctx.model.to(device)
+    return install_gates(ctx.model, specs, hf, bytes_table(ctx.specs, menus), menus=menus)
 
 
 @torch.no_grad()
@@ -327,25 +444,30 @@ def build_teacher(ctx: Context, teacher_quant: str = "BF16", keys=None, cache=No
     teacher = copy.deepcopy(ctx.model).eval()
     if tq == "F32":
         return teacher
-    for s in ctx.specs:
-        w = teacher.get_submodule(s.module_name).weight
-        if tq == "BF16":
+    params = dict(teacher.named_parameters(remove_duplicate=True))
+    if tq == "BF16":
+        for pname in ctx.tmap.by_param():
+            w = params[pname]
             w.copy_(w.to(torch.bfloat16).to(w.dtype))
-        else:
-            g = ctx.adapter.hf_rows_to_gguf(s.gguf_name, w.detach().cpu().float().numpy())
-            q = cg.quantize(np.ascontiguousarray(g), "Q8_0")
-            d = ctx.adapter.gguf_rows_to_hf(s.gguf_name, cg.dequantize(q, "Q8_0", s.n_per_row))
-            w.copy_(torch.from_numpy(np.ascontiguousarray(d)))
+        return teacher
+    from .gates import write_gguf_into_params
+    q8 = {}
+    for s in ctx.specs:
+        g = ctx.tmap.to_gguf(s.gguf_name, {n: params[n].detach().float().cpu()
+                                           for n in s.params}).numpy()
+        q = cg.quantize(np.ascontiguousarray(g, dtype=np.float32), "Q8_0")
+        q8[s.gguf_name] = torch.from_numpy(cg.dequantize(q, "Q8_0", s.n_per_row))
+    write_gguf_into_params(teacher, ctx.tmap, q8)
     return teacher
 
 
-def _weights_fingerprint(model: torch.nn.Module, specs) -> str:
+def _weights_fingerprint(model: torch.nn.Module, tmap: TensorMap) -> str:
     import hashlib
     h = hashlib.sha256()
-    for s in specs:
-        w = model.get_submodule(s.module_name).weight.detach()
-        h.update(s.gguf_name.encode())
-        h.update(w.float().cpu().contiguous().numpy().tobytes())
+    params = dict(model.named_parameters(remove_duplicate=True))
+    for pname in sorted(tmap.by_param()):
+        h.update(pname.encode())
+        h.update(params[pname].detach().float().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()
 
 
@@ -368,17 +490,22 @@ def fisher_prior(ctx: Context, teacher: torch.nn.Module, menus, keys, cache: Can
     from .sensitivity import (distortion_table, fisher_gate_logits, lagrangian_choice,
                               load_or_compute_fisher)
     root = Path(fisher_cache_dir) if fisher_cache_dir else cache_root() / "fisher"
-    fisher = load_or_compute_fisher(teacher, ctx.specs, blocks, root,
-                                    _weights_fingerprint(teacher, ctx.specs), seed=seed,
+    from types import SimpleNamespace
+    pspecs = [SimpleNamespace(gguf_name=p, param=p) for p in sorted(ctx.tmap.by_param())]
+    fisher = load_or_compute_fisher(teacher, pspecs, blocks, root,
+                                    _weights_fingerprint(teacher, ctx.tmap), seed=seed,
                                     progress=progress)
     table = bytes_table(ctx.specs, menus)
+    tparams = {n: p.detach().float().cpu()
+               for n, p in teacher.named_parameters(remove_duplicate=True)}
     dist = {}
     for s in ctx.specs:
-        cands = torch.stack([torch.from_numpy(np.ascontiguousarray(ctx.adapter.gguf_rows_to_hf(
-            s.gguf_name, _dequantized(cache, keys[(s.gguf_name, t)], t, s.n_per_row))))
+        cands = torch.stack([torch.from_numpy(np.ascontiguousarray(
+            _dequantized(cache, keys[(s.gguf_name, t)], t, s.n_per_row)))
             for t in menus[s.gguf_name]])
-        ref = teacher.get_submodule(s.module_name).weight.detach().float().cpu()
-        dist.update(distortion_table({s.gguf_name: fisher[s.gguf_name]}, {s.gguf_name: cands},
+        ref = ctx.tmap.to_gguf(s.gguf_name, tparams)
+        f = ctx.tmap.to_gguf(s.gguf_name, fisher, scale_power=-2)
+        dist.update(distortion_table({s.gguf_name: f}, {s.gguf_name: cands},
                                      {s.gguf_name: ref}))
     logits = fisher_gate_logits(dist, table, budget, strength)
     if report_path is not None:
@@ -503,15 +630,18 @@ class StudentFactory:
 
         from .imatrix import read_imatrix
         from .train import torch_dtype
-        ctx = load_context(self.model, self.work_dir, with_tokenizer=False)
-        specs = list(ctx.specs)  # build_student replaces ctx.model's modules: take them first
+        ctx = load_context(self.model, self.work_dir, with_tokenizer=False,
+                           check=False)
         cache = CandidateCache(self.cache_dir) if self.cache_dir else CandidateCache()
         im = read_imatrix(self.imatrix) if self.imatrix else None
         keys = ensure_candidates(ctx, self.menus, im, cache, None)
         teacher = build_teacher(ctx, self.teacher_quant, checkpoint=self.teacher_checkpoint)
         cfg = getattr(info, "cfg", None)
         dtype = self.dtype or (cfg.dtype if cfg is not None else "float32")
-        build_student(ctx, self.menus, keys, cache, dtype=torch_dtype(dtype), device=info.device)
+        tp = int(getattr(info, "tp_size", 1) or 1)
+        specs = legacy_specs(ctx) if tp > 1 else list(ctx.specs)
+        build = build_student_tp if tp > 1 else build_student
+        build(ctx, self.menus, keys, cache, dtype=torch_dtype(dtype), device=info.device)
         n_head = getattr(ctx.adapter, "n_head", None) or getattr(
             ctx.model.config, "num_attention_heads", None)
         n_head_kv = getattr(ctx.adapter, "n_head_kv", None) or getattr(

@@ -49,6 +49,19 @@ __all__ = ["fisher_diagonal", "distortion_table", "lagrangian_choice", "knapsack
 FISHER_VERSION = 1
 
 
+def _resolve(model: nn.Module, spec) -> nn.Parameter:
+    """A spec's weight: ``spec.param`` (an HF parameter name) when it has one, else
+    ``spec.module_name``'s ``weight``."""
+    pname = getattr(spec, "param", None)
+    if pname is not None:
+        params = dict(model.named_parameters(remove_duplicate=False))
+        if pname not in params:
+            raise ValueError(f"the model has no parameter {pname!r} (were gates already "
+                             "installed on it? compute the Fisher on the teacher)")
+        return params[pname]
+    return _weight(model, spec.module_name)
+
+
 def _weight(model: nn.Module, module_name: str) -> nn.Parameter:
     mod = model.get_submodule(module_name)
     w = getattr(mod, "weight", None)
@@ -64,12 +77,13 @@ def fisher_diagonal(model: nn.Module, specs: Sequence, blocks: torch.Tensor, *, 
 
     Args:
         model: a HF causal LM with ordinary weights (e.g. the teacher), float32.
-        specs: TensorSpec-like objects with ``gguf_name`` and ``module_name``; a tied weight
+        specs: objects with ``gguf_name`` (the key of the result) and either ``param`` (an HF
+            parameter name) or ``module_name`` (a module whose ``weight`` it is); a tied weight
             (embedding = output head) is one parameter, so both of its uses add up in its grad.
         blocks: (N, T) int64 token ids (calibration text), N >= 1.
         seed: seeds the sampled labels (block i uses ``seed * 1_000_003 + i``).
 
-    Returns gguf_name -> (n_rows, n_per_row) float32 CPU tensor in HF layout: the mean over
+    Returns gguf_name -> float32 CPU tensor of the weight's shape (HF layout): the mean over
     blocks of the squared gradient of ``sum_t log p(y_t | x_<t)``, ``y_t`` sampled from the
     model, divided by T -- so ``1/2 * sum F * dW**2`` is in nats per token.
 
@@ -78,7 +92,7 @@ def fisher_diagonal(model: nn.Module, specs: Sequence, blocks: torch.Tensor, *, 
     if blocks.dim() != 2 or len(blocks) < 1 or blocks.dtype != torch.long:
         raise ValueError(f"blocks must be (N >= 1, T) int64, got {tuple(blocks.shape)} "
                          f"{blocks.dtype}")
-    weights = {s.gguf_name: _weight(model, s.module_name) for s in specs}
+    weights = {s.gguf_name: _resolve(model, s) for s in specs}
     was = {id(p): p.requires_grad for p in model.parameters()}
     wanted = {id(w) for w in weights.values()}
     for p in model.parameters():

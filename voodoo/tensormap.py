@@ -602,8 +602,8 @@ def check_against_base(tmap: TensorMap, model: torch.nn.Module, base_weights: di
         if e.gguf_name not in base_weights:
             raise TensorMapError(f"{e.gguf_name} is not in the base F32 GGUF; the GGUF was made "
                                  "by another converter than the pinned one")
-        ref = torch.from_numpy(np.asarray(base_weights[e.gguf_name],
-                                          np.float32).reshape(e.shape))
+        ref = torch.from_numpy(np.array(base_weights[e.gguf_name],
+                                        np.float32).reshape(e.shape))
         got = tmap.to_gguf(e.gguf_name, {n: params[n].detach().float().cpu()
                                          for n in e.params})
         if not torch.allclose(got, ref, rtol=rtol, atol=atol):
