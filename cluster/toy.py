@@ -31,7 +31,8 @@ class TinyLlamaFactory:
     random token blocks (n_blocks, seq_len) int64 (plus ``n_eval`` eval blocks). seed: weights,
     candidates and tokens. Picklable (a dataclass of numbers), so it travels to Ray workers.
     ``make_shared()`` builds the weights and candidates once (for ``ray.put``); a job built
-    from ``info.shared`` is identical to one built from scratch."""
+    from ``info.shared`` is identical to one built from scratch. ``calls_log`` (a path,
+    optional): one line is appended per job built (counts trainings started, for tests)."""
 
     hidden: int = 64
     intermediate: int = 128
@@ -44,6 +45,7 @@ class TinyLlamaFactory:
     n_eval: int = 4
     tie: bool = True
     seed: int = 0
+    calls_log: str | None = None
 
     def config(self):
         from transformers import LlamaConfig
@@ -79,6 +81,9 @@ class TinyLlamaFactory:
         from voodoo.arch import get_adapter
         from voodoo.gates import install_gates
         from voodoo.quants import tensor_nbytes
+        if self.calls_log:
+            with open(self.calls_log, "a") as f:
+                f.write(f"rank {info.rank}\n")
         shared = info.shared if info.shared is not None else self.make_shared()
         cfg = self.config()
         with torch.device("cpu"):

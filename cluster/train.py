@@ -858,10 +858,11 @@ def run_training(factory: Callable[[WorkerInfo], StudentJob], cfg: TrainConfig, 
                              f"({tensor_parallel}) x data_parallel ({data_parallel})")
     storage = os.path.abspath(os.path.expanduser(str(storage_path or "~/ray_results")))
     devices = parse_device_map(device_map)
+    if num_workers > 0:
+        from cluster.session import ensure_ray
+        ensure_ray()  # a local Ray started here ends with this process (cluster.session)
     if shared is not None and num_workers > 0:
         import ray
-        if not ray.is_initialized():
-            ray.init()
         shared = ray.put(shared)
     loop_config = {
         "factory": factory, "cfg": cfg.to_dict(), "tensor_parallel": tensor_parallel,

@@ -111,9 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     if num_workers is None:
         num_workers = 0 if "RANK" in os.environ else args.tensor_parallel * (args.data_parallel or 1)
     if num_workers > 0:
-        import ray
-        if not ray.is_initialized():
-            ray.init()
+        from cluster.session import ensure_ray
+        ensure_ray()  # joins RAY_ADDRESS's cluster, or a local Ray that ends with this process
     from cluster.train import run_training
     res = run_training(
         factory, cfg, num_workers=num_workers, use_gpu=args.use_gpu,

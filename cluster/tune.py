@@ -20,13 +20,28 @@ Search: ``OptunaSearch`` when optuna is installed (else Tune's random search);
 ``size_weight`` log-uniform, ``size_tolerance`` uniform, ``lr`` log-uniform when given. Every
 trial reads the same shared object (candidates, weights) from the object store: it is
 ``ray.put`` once by :func:`run_sweep`.
+
+Resume: a sweep lives in ``storage_path/name`` (a fixed name: Tune cannot continue a sweep
+without one, ray #36062) with :data:`SETTINGS_FILE` (what it sweeps, over which ranges, with
+which TrainConfig). Run again with the same settings, :func:`run_sweep` continues it
+(``Tuner.restore`` when ``Tuner.can_restore``) and says so in one line: finished trials keep
+their results and are not rerun, trials cut off resume from their last checkpoint, trials not
+started yet start. A finished sweep is reported again without running anything. Other settings
+under the same name are refused (use another name). Ctrl-C stops the sweep (Tune saves its
+state) and :func:`run_sweep` raises :class:`SweepInterrupted` (a KeyboardInterrupt) with the
+count of finished trials. Tune saves its experiment state at most every
+``TUNE_GLOBAL_CHECKPOINT_S`` seconds (set to 2 here unless set): after a SIGKILL of the driver a
+trial that finished in those last seconds resumes from its final checkpoint and only bakes and
+measures again.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
+import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -39,12 +54,24 @@ from voodoo.train import TrainConfig, distill_losses
 from cluster.train import StudentJob, WorkerInfo, run_loop  # noqa: F401
 
 __all__ = ["OBJECTIVE", "FAIL_OBJECTIVE", "TuneBackend", "bake_student", "set_one_hot",
-           "eval_kl", "evaluate_assignment", "run_sweep"]
+           "eval_kl", "evaluate_assignment", "run_sweep", "SweepInterrupted", "SETTINGS_FILE"]
+
+#: Written into the sweep's folder when it starts: what a resumed sweep must match.
+SETTINGS_FILE = "voodoo_sweep.json"
 
 #: The metric Tune minimises.
 OBJECTIVE = "objective"
 #: Reported instead of the KL when the baked size misses the budget.
 FAIL_OBJECTIVE = 1.0e6
+
+
+class SweepInterrupted(KeyboardInterrupt):
+    """The sweep stopped before every trial finished (Ctrl-C); Tune saved its state and the
+    same call continues it. Attributes: ``path`` (the sweep folder), ``finished``, ``total``."""
+
+    def __init__(self, message: str, path: str, finished: int, total: int):
+        super().__init__(message)
+        self.path, self.finished, self.total = path, finished, total
 
 
 class TuneBackend:
@@ -180,14 +207,17 @@ def run_sweep(factory: Callable[[WorkerInfo], StudentJob], cfg: TrainConfig, *,
 
     Returns ``{"config": best param dict, "objective", "kl", "total_bytes", "budget_bytes",
     "trial_id", "checkpoint": the best trial's last checkpoint folder (its trained gates in
-    ``state.pt``), "results": [per-trial dicts]}``. Raises RuntimeError when no trial finished
-    with a valid size."""
-    import ray
+    ``state.pt``), "results": [per-trial dicts], "path": the sweep folder, "resumed": whether
+    it continued a sweep on storage}``. Raises RuntimeError when no trial finished with a
+    valid size, ValueError when ``name`` holds a sweep with other settings,
+    :class:`SweepInterrupted` when Ctrl-C stopped it before every trial finished."""
+    import ray  # noqa: F401
     from ray import tune
     from ray.tune.schedulers import ASHAScheduler
 
-    if not ray.is_initialized():
-        ray.init()
+    from cluster.session import ensure_ray
+    ensure_ray()
+    os.environ.setdefault("TUNE_GLOBAL_CHECKPOINT_S", "2")
     space = {"size_weight": tune.loguniform(*size_weight),
              "size_tolerance": tune.uniform(*size_tolerance)}
     if lr is not None:
@@ -202,27 +232,55 @@ def run_sweep(factory: Callable[[WorkerInfo], StudentJob], cfg: TrainConfig, *,
     if use_optuna:
         from ray.tune.search.optuna import OptunaSearch
         search_alg = OptunaSearch(seed=seed)
+    ckpt_every = checkpoint_every or cfg.partial_save_interval
     scheduler = ASHAScheduler(time_attr="training_iteration", max_t=cfg.max_steps + 1,
                               grace_period=grace_period or max(1, cfg.max_steps // 4),
                               reduction_factor=reduction_factor)
     ref = ray.put(shared) if shared is not None else None
     trainable = tune.with_parameters(
         _trial, factory=factory, base_cfg=cfg.to_dict(), shared=ref,
-        checkpoint_every=checkpoint_every or cfg.partial_save_interval,
-        report_every=report_every, tolerance=tolerance, init_logits=init_logits)
+        checkpoint_every=ckpt_every, report_every=report_every, tolerance=tolerance,
+        init_logits=init_logits)
     trainable = tune.with_resources(trainable, {"cpu": cpus_per_trial, "gpu": gpus_per_trial})
     storage = os.path.abspath(os.path.expanduser(str(storage_path or "~/ray_results")))
-    tuner = tune.Tuner(
-        trainable, param_space=space,
-        tune_config=tune.TuneConfig(metric=OBJECTIVE, mode="min", num_samples=num_samples,
-                                    search_alg=search_alg, scheduler=scheduler,
-                                    max_concurrent_trials=max_concurrent_trials),
-        run_config=tune.RunConfig(name=name, storage_path=storage))
-    grid = tuner.fit()
+    path = os.path.join(storage, name)
+    settings = _settings(cfg, num_samples, size_weight, size_tolerance, lr, use_optuna, seed,
+                         tolerance, grace_period, reduction_factor, ckpt_every, report_every)
+    restored = tune.Tuner.can_restore(path)
+    if restored:
+        _check_settings(path, name, settings)
+        tuner = tune.Tuner.restore(path, trainable, resume_unfinished=True,
+                                   resume_errored=False, restart_errored=False)
+        done, total = _progress(tuner.get_results(), num_samples)
+        if done >= total:
+            print(f"sweep {name} ({path}) is finished ({done} of {total} trials); reporting its "
+                  f"results without running anything")
+            grid = tuner.get_results()
+        else:
+            print(f"resuming sweep {name} ({path}): {done} of {total} trials finished and kept, "
+                  f"{total - done} to run")
+            grid = _fit(tuner)
+    else:
+        os.makedirs(path, exist_ok=True)
+        _write_json(os.path.join(path, SETTINGS_FILE), settings)
+        tuner = tune.Tuner(
+            trainable, param_space=space,
+            tune_config=tune.TuneConfig(metric=OBJECTIVE, mode="min", num_samples=num_samples,
+                                        search_alg=search_alg, scheduler=scheduler,
+                                        max_concurrent_trials=max_concurrent_trials),
+            run_config=tune.RunConfig(name=name, storage_path=storage))
+        grid = _fit(tuner)
+    # what is on storage decides (after Ctrl-C Tune's in-memory trials all read TERMINATED)
+    done, total = _progress(tune.Tuner.restore(path, trainable).get_results(), num_samples)
+    if done < total:
+        msg = (f"sweep {name} stopped with {done} of {total} trials finished; its state is in "
+               f"{path}: run the same command again to continue it")
+        print(msg, file=sys.stderr)
+        raise SweepInterrupted(msg, path, done, total)
     rows = []
     for r in grid:
-        m = r.metrics or {}
-        rows.append({"trial_id": m.get("trial_id"), **{k: r.config.get(k) for k in space},
+        m, conf = r.metrics or {}, r.config or {}
+        rows.append({"trial_id": m.get("trial_id") or _trial_id(r), **{k: conf.get(k) for k in space},
                      OBJECTIVE: m.get(OBJECTIVE), "kl": m.get("kl") if m.get("final") else None,
                      "total_bytes": m.get("total_bytes"), "budget_bytes": m.get("budget_bytes"),
                      "finished": bool(m.get("final")), "ok": bool(m.get("ok")),
@@ -241,7 +299,79 @@ def run_sweep(factory: Callable[[WorkerInfo], StudentJob], cfg: TrainConfig, *,
     return {"config": {k: best[k] for k in space}, "objective": best[OBJECTIVE],
             "kl": best["kl"], "total_bytes": best["total_bytes"],
             "budget_bytes": best["budget_bytes"], "trial_id": best["trial_id"],
-            "checkpoint": best["checkpoint"], "results": rows}
+            "checkpoint": best["checkpoint"], "results": rows, "path": path,
+            "resumed": restored}
+
+
+def _fit(tuner):
+    """``tuner.fit()``, with the SIGINT handler as it was before (Tune installs its own and
+    leaves it in place when no Ctrl-C came: a later Ctrl-C would be swallowed)."""
+    import signal
+    import threading
+    main = threading.current_thread() is threading.main_thread()
+    before = signal.getsignal(signal.SIGINT) if main else None
+    try:
+        return tuner.fit()
+    finally:
+        if main and before is not None:
+            signal.signal(signal.SIGINT, before)
+
+
+def _write_json(path: str, obj) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=2, sort_keys=True)
+    os.replace(tmp, path)
+
+
+def _settings(cfg, num_samples, size_weight, size_tolerance, lr, use_optuna, seed, tolerance,
+              grace_period, reduction_factor, checkpoint_every, report_every) -> dict:
+    """What a sweep is (JSON-able): a resumed sweep must have the same."""
+    return json.loads(json.dumps({
+        "num_samples": int(num_samples), "size_weight": list(size_weight),
+        "size_tolerance": list(size_tolerance), "lr": None if lr is None else list(lr),
+        "search": "optuna" if use_optuna else "random", "seed": seed, "tolerance": tolerance,
+        "grace_period": grace_period, "reduction_factor": reduction_factor,
+        "checkpoint_every": checkpoint_every, "report_every": report_every,
+        "train_config": cfg.to_dict()}, default=str))
+
+
+def _check_settings(path: str, name: str, settings: dict) -> None:
+    f = os.path.join(path, SETTINGS_FILE)
+    try:
+        with open(f) as fh:
+            saved = json.load(fh)
+    except (OSError, ValueError):
+        raise ValueError(f"{path} holds a Tune sweep that Voodoo did not start (no readable "
+                         f"{SETTINGS_FILE}); use another sweep name or remove the folder") from None
+    diff = sorted(k for k in set(saved) | set(settings) if saved.get(k) != settings.get(k))
+    if "train_config" in diff:
+        a, b = saved.get("train_config") or {}, settings["train_config"]
+        diff.remove("train_config")
+        diff += sorted(f"train_config.{k}" for k in set(a) | set(b) if a.get(k) != b.get(k))
+    if diff:
+        raise ValueError(f"sweep {name} in {path} was started with other settings (differs in "
+                         f"{', '.join(diff)}); rerun with the same settings to continue it, or "
+                         f"choose another sweep name (--sweep_name) or remove the folder")
+
+
+def _trial_status(grid) -> list[str]:
+    """Tune's status of each trial of a ResultGrid (TERMINATED, ERROR, PENDING, RUNNING...)."""
+    ea = getattr(grid, "_experiment_analysis", None)
+    trials = getattr(ea, "trials", None) or []
+    return [str(t.status) for t in trials]
+
+
+def _progress(grid, num_samples: int) -> tuple[int, int]:
+    """(trials finished -- terminated or errored --, trials the sweep will have)."""
+    st = _trial_status(grid)
+    done = sum(s in ("TERMINATED", "ERROR") for s in st)
+    return done, max(int(num_samples), len(st))
+
+
+def _trial_id(result) -> str | None:
+    p = getattr(result, "path", None)
+    return os.path.basename(p) if p else None
 
 
 def _print_table(rows: list[dict], params: list[str]) -> None:

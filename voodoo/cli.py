@@ -550,9 +550,8 @@ class Run:
         if nw is None:
             nw = a.tensor_parallel * (a.data_parallel or 1)
         if nw > 0:
-            import ray
-            if not ray.is_initialized():
-                ray.init()  # under `ray job submit`: the job's cluster (RAY_ADDRESS)
+            from cluster.session import ensure_ray
+            ensure_ray()  # under `ray job submit`: the job's cluster (RAY_ADDRESS)
         from cluster.train import run_training
         with self.timer("gate training (Ray Train)"):
             res = run_training(
@@ -978,9 +977,8 @@ def _tune(argv):
         from .pipeline import build_teacher
         init = r.gate_prior(cfg, build_teacher(r.ctx, a.teacher_quant,
                                                checkpoint=a.teacher_checkpoint))
-    import ray
-    if not ray.is_initialized():
-        ray.init()
+    from cluster.session import ensure_ray
+    ensure_ray()  # a local Ray started here ends with this process, even on SIGKILL
     from cluster.tune import run_sweep
     name = a.sweep_name or _ray_run_name(SimpleNamespace(run_name=None), r.out) \
         .replace("voodoo-train-", "voodoo-tune-")

@@ -1,8 +1,14 @@
-"""cluster.tune: a 4-trial sweep on the tiny Llama completes and reports the best trial."""
+"""cluster.tune: a 4-trial sweep on the tiny Llama completes and reports the best trial; a
+sweep stopped by Ctrl-C continues where it stopped when called again."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
+import os
+import signal
+import threading
 
 import pytest
 
@@ -11,7 +17,8 @@ ray = pytest.importorskip("ray")
 from ray_session import local_ray  # noqa: E402
 from cluster.toy import TinyLlamaFactory  # noqa: E402
 from cluster.train import WorkerInfo  # noqa: E402
-from cluster.tune import FAIL_OBJECTIVE, evaluate_assignment, run_sweep  # noqa: E402
+from cluster.tune import (FAIL_OBJECTIVE, OBJECTIVE, SweepInterrupted,  # noqa: E402
+                          evaluate_assignment, run_sweep)
 from voodoo.gates import gate_state  # noqa: E402
 from voodoo.train import TrainConfig  # noqa: E402
 
@@ -49,3 +56,64 @@ def test_sweep_of_four_trials(tmp_path, ray_up, capsys):
     assert finished and best["objective"] == min(r["objective"] for r in finished)
     assert math.isfinite(best["kl"]) and best["total_bytes"] <= best["budget_bytes"] * 1.005
     assert "best: trial" in out and best["trial_id"] in out
+
+
+def _final_trials(sweep_dir) -> dict[str, float]:
+    """trial folder -> objective of the trials whose final (baked) result is on storage."""
+    out = {}
+    for res in sweep_dir.glob("*/result.json"):
+        for line in res.read_text().splitlines():
+            row = json.loads(line)
+            if row.get("final"):
+                out[res.parent.name] = row[OBJECTIVE]
+    return out
+
+
+def test_interrupted_sweep_resumes_without_rerunning_finished_trials(tmp_path, ray_up, capsys):
+    """Ctrl-C after the first trial finished; the same call continues the sweep (finished
+    trials kept, not trained again); once more, the finished sweep is only reported."""
+    calls = tmp_path / "calls"
+    f = TinyLlamaFactory(calls_log=str(calls))
+    cfg = dataclasses.replace(CFG, max_steps=4, partial_save_interval=2)
+    kw = dict(num_samples=3, name="resume", storage_path=tmp_path / "ray",
+              shared=f.make_shared(), cpus_per_trial=0.5, max_concurrent_trials=1, seed=0)
+    sweep = tmp_path / "ray" / "resume"
+    stop = threading.Event()
+
+    def ctrl_c_after_first_final():
+        while not stop.wait(0.2):
+            if _final_trials(sweep):
+                os.kill(os.getpid(), signal.SIGINT)
+                return
+
+    t = threading.Thread(target=ctrl_c_after_first_final, daemon=True)
+    t.start()
+    try:
+        with pytest.raises(SweepInterrupted) as ei:
+            run_sweep(f, cfg, **kw)
+    finally:
+        stop.set()
+        t.join()
+    first = _final_trials(sweep)
+    started_first = len(calls.read_text().splitlines())
+    assert 1 <= ei.value.finished < 3 and ei.value.total == 3 and first
+    assert "run the same command again to continue" in capsys.readouterr().err
+
+    best = run_sweep(f, cfg, **kw)
+    out = capsys.readouterr().out
+    assert best["resumed"] and f"{ei.value.finished} of 3 trials finished and kept" in out
+    assert len(best["results"]) == 3 and all(r["finished"] for r in best["results"])
+    by_id = {r["trial_id"]: r for r in best["results"]}
+    for trial_dir, obj in first.items():  # the finished trials' results, reused as they were
+        (tid,) = [i for i in by_id if i in trial_dir]
+        assert by_id[tid][OBJECTIVE] == obj
+    # trainings started by the resumed sweep: only the trials not finished before Ctrl-C
+    assert len(calls.read_text().splitlines()) - started_first == 3 - ei.value.finished
+
+    again = run_sweep(f, cfg, **kw)
+    out = capsys.readouterr().out
+    assert "is finished (3 of 3 trials)" in out and "without running anything" in out
+    assert len(calls.read_text().splitlines()) - started_first == 3 - ei.value.finished
+    assert again["trial_id"] == best["trial_id"] and again["objective"] == best["objective"]
+    with pytest.raises(ValueError, match="other settings.*num_samples"):
+        run_sweep(f, cfg, **{**kw, "num_samples": 4})
