@@ -273,6 +273,31 @@ def bench(device: str, rows: int, cols: int, k: int, tiles: list[int]) -> dict:
                      "peak_bytes": _peak(lambda: dequantize(b, name, cols), device)}
         del b
     res["dequantize"] = per
+    if device == "cuda":  # the same, compiled (Inductor, exact options), and where mix's time goes
+        from voodoo.dequant import (compile_recompile_limit, dequantize_blocks,
+                                    exact_compile_options, warm_tables)
+        comp = torch.compile(dequantize_blocks, dynamic=False, options=exact_compile_options())
+        perc = {}
+        with torch._dynamo.config.patch(**compile_recompile_limit()):
+            for name in SUPPORTED_TYPES:
+                t = qtype(name)
+                warm_tables([name], device)
+                b = _random_blocks(name, rows, cols, device, gen).reshape(-1, t.type_size)
+                ms = _time(lambda: comp(b, name), device, 10)
+                perc[name] = {"ms": round(ms, 3),
+                              "out_GBps": round(rows * cols * 4 / ms / 1e6, 1),
+                              "in_GBps": round(b.numel() / ms / 1e6, 1)}
+                del b
+        res["dequantize_compiled"] = perc
+        lz = QuantizedCandidates(blocks, types, (rows, cols), tile_elements=1024 * cols,
+                                 compile=True)
+        lz.mix(probs, torch.bfloat16)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            lz.mix(probs, torch.bfloat16)
+            torch.cuda.synchronize()
+        res["compiled_mix_kernels"] = [
+            (e.key[:80], e.count, round(e.device_time_total / 1e3, 3))
+            for e in sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:12]]
     return res
 
 

@@ -37,11 +37,17 @@ def _make(types, shape, seed=0, tile_elements=1 << 22):
 CASES = [(MENU_256, (48, 512)), (MENU_576, (40, 576)), (MENU_256, (3, 16, 256))]
 
 
-@pytest.mark.parametrize("device", DEVICES)
+#: (device, compile): the torch.compile'd tile kernels are exercised on CUDA only (Inductor on
+#: the CPU would need minutes of C++ compilation here).
+MODES = [("cpu", False)] + ([("cuda", False), ("cuda", True)] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device,compiled", MODES)
 @pytest.mark.parametrize("types,shape", CASES)
-def test_mix_and_dots_match_dense(types, shape, device):
+def test_mix_and_dots_match_dense(types, shape, device, compiled):
     # a small tile (5 rows) forces several tiles and a ragged last one
     cands, cand = _make(types, shape, tile_elements=5 * shape[-1])
+    cands.compile = compiled
     cands, cand = cands.to(device), cand.to(device)
     K = len(types)
     assert cands.k == K and cands.shape == tuple(shape) and cands.tile_rows == 5

@@ -378,16 +378,27 @@ def _iq4_xs(b):
     return (dl.unsqueeze(-1) * kv).reshape(nb, QK_K)                # dl * kvalues_iq4nl[q]
 
 
+def _float_blocks(b, dtype):
+    """F32/F16/BF16 "blocks" (one element each): a bitcast, widened exactly. Eagerly a plain
+    dtype view of the bytes (fast); under ``torch.compile`` the same bits built with integer
+    ops and a same-size bitcast, which Inductor can fuse."""
+    if not torch.compiler.is_compiling() and b.is_contiguous():
+        return b.view(dtype).to(torch.float32, copy=True)
+    if dtype == torch.float32:
+        return _u32(b, 0, 1).to(torch.int32).view(torch.float32)
+    return _f16(b, 0, dtype)
+
+
 def _f16_blocks(b):
-    return _f16(b, 0)
+    return _float_blocks(b, torch.float16)
 
 
 def _bf16_blocks(b):
-    return _f16(b, 0, torch.bfloat16)
+    return _float_blocks(b, torch.bfloat16)
 
 
 def _f32_blocks(b):
-    return _u32(b, 0, 1).to(torch.int32).view(torch.float32)
+    return _float_blocks(b, torch.float32)
 
 
 _IMPL: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -464,13 +475,20 @@ def exact_compile_options() -> dict:
     return opts
 
 
+_WARM: set[tuple[str, str]] = set()
+
+
 def warm_tables(types, device) -> None:
-    """Builds the lookup tables ``types`` need on ``device`` (eagerly, once), so that compiled
-    code finds them as constants."""
+    """Builds the lookup tables ``types`` need on ``device`` (eagerly, once per type and
+    device), so that compiled code finds them as constants."""
     for t in types:
+        key = (str(t), str(device))
+        if key in _WARM:
+            continue
         q = _qtype(t)
         dequantize(torch.zeros(q.type_size, dtype=torch.uint8, device=device), q.name,
                    q.block_size)
+        _WARM.add(key)
 
 
 def compile_recompile_limit() -> dict:

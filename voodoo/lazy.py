@@ -26,11 +26,15 @@ import torch
 from .dequant import compile_recompile_limit, dequantize, exact_compile_options, warm_tables
 from .quants import qtype
 
-__all__ = ["QuantizedCandidates", "LazyMix", "lazy_mix", "DEFAULT_TILE_ELEMENTS"]
+__all__ = ["QuantizedCandidates", "LazyMix", "lazy_mix", "DEFAULT_TILE_ELEMENTS",
+           "DEFAULT_COMPILED_TILE_ELEMENTS"]
 
-#: Weights per tile (rows x n_per_row, rounded to whole rows): ~4 Mi weights keeps the
-#: float32 temporaries of one candidate's dequantization at a few tens of MiB.
+#: Weights per tile (rows x n_per_row, rounded to whole rows) on the eager path: ~4 Mi weights
+#: keeps the float32 temporaries of one candidate's dequantization at a few tens of MiB.
 DEFAULT_TILE_ELEMENTS = 1 << 22
+#: The same for the compiled path, whose fused kernels keep no per-weight temporaries (only
+#: the tile's output): fewer, larger tiles, as each tile costs a guard check and a launch.
+DEFAULT_COMPILED_TILE_ELEMENTS = 1 << 26
 
 
 class QuantizedCandidates(torch.nn.Module):
@@ -44,7 +48,9 @@ class QuantizedCandidates(torch.nn.Module):
             :func:`voodoo.dequant.dequantize` supports.
         shape: the tensor's shape in GGUF numpy order: ``(n_rows, n_per_row)`` or
             ``(n_expert, n_rows, n_per_row)``; the last dimension is the quantized one.
-        tile_elements: weights per tile (rounded down to whole rows, at least one row).
+        tile_elements: weights per tile (rounded down to whole rows, at least one row);
+            default :data:`DEFAULT_TILE_ELEMENTS` eager, :data:`DEFAULT_COMPILED_TILE_ELEMENTS`
+            compiled.
         compile: fuse each tile's dequantize-and-mix (and dequantize-and-dot) into one
             kernel with ``torch.compile`` (Inductor options of
             :func:`voodoo.dequant.exact_compile_options`: no FMA contraction, no flush to
@@ -61,7 +67,7 @@ class QuantizedCandidates(torch.nn.Module):
     """
 
     def __init__(self, blocks: Sequence[torch.Tensor], types: Sequence[str],
-                 shape: Sequence[int], tile_elements: int = DEFAULT_TILE_ELEMENTS,
+                 shape: Sequence[int], tile_elements: int | None = None,
                  compile: bool | None = None):
         super().__init__()
         if len(blocks) == 0 or len(blocks) != len(types):
@@ -85,8 +91,8 @@ class QuantizedCandidates(torch.nn.Module):
                                  f"bytes = {self.n_rows * row_bytes}")
             self.register_buffer(f"q{k}", b.detach().reshape(self.n_rows, row_bytes).contiguous(),
                                  persistent=False)
-        self.tile_rows = max(1, int(tile_elements) // self.n_per_row)
         self.compile = compile
+        self.tile_elements = tile_elements
 
     # ------------------------------------------------------------------ properties
     @property
@@ -110,6 +116,14 @@ class QuantizedCandidates(torch.nn.Module):
     def dense_nbytes(self, dtype: torch.dtype = torch.float32) -> int:
         """Bytes the eager path's dense ``(K, *shape)`` tensor of ``dtype`` would hold."""
         return self.k * self.n_rows * self.n_per_row * dtype.itemsize
+
+    @property
+    def tile_rows(self) -> int:
+        """Rows per tile (depends on the device when no ``tile_elements`` was given)."""
+        te = self.tile_elements
+        if te is None:
+            te = DEFAULT_COMPILED_TILE_ELEMENTS if self._compiled() else DEFAULT_TILE_ELEMENTS
+        return max(1, int(te) // self.n_per_row)
 
     def _tiles(self):
         for r0 in range(0, self.n_rows, self.tile_rows):
