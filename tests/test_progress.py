@@ -31,15 +31,21 @@ def test_progress_off_a_tty_prints_lines():
 
 def test_progress_set_and_time_lines():
     buf = io.StringIO()
-    p = Progress(8, "llama-perplexity x.gguf", stream=buf, prefix="", every_s=0.0)
+    p = Progress(8, "llama-perplexity x.gguf", stream=buf, prefix="", every_s=1e9)
     p.set(3)
-    p.set(2)       # never backwards
+    p.set(2)       # never backwards, and no new decile: no line
     p.set(8)
     p.close()
     lines = buf.getvalue().splitlines()
     assert [l.split(" (")[0] for l in lines[:2]] == ["llama-perplexity x.gguf: 38%",
                                                     "llama-perplexity x.gguf: 100%"]
     assert p.n == 8
+    # a long step: after every_s seconds a heartbeat line says what is running
+    buf = io.StringIO()
+    p = Progress(100, "build", stream=buf, prefix="", every_s=0.0)
+    p.set(5, note="compiling server.cpp")
+    assert buf.getvalue().endswith(") compiling server.cpp\n")
+    assert buf.getvalue().startswith("build: 5% (")
 
 
 def test_tqdm_in_a_log_file_has_no_carriage_returns(tmp_path):

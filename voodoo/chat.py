@@ -77,7 +77,7 @@ def generate(gguf: str | os.PathLike, prompt: str, n_predict: int = 128, ctx: in
     templated = has_chat_template(gguf)
     args = [str(tool_path("llama-completion")), "-m", str(gguf), "-p", prompt,
             "-n", str(int(n_predict)), "-c", str(int(ctx)), "--temp", "0", "--seed", "0",
-            "--no-display-prompt", "--no-warmup", "--simple-io", "--log-disable",
+            "--no-display-prompt", "--no-warmup", "--simple-io",
             *(["-cnv", "-st"] if templated else ["-no-cnv"])]
     if threads:
         args += ["-t", str(int(threads))]

@@ -175,6 +175,7 @@ def fetch_source() -> Path:
 
 
 _PCT = re.compile(r"^\[\s*(\d+)%\]")
+_STEP = re.compile(r"(?:Building \w+ object \S*?([^/\s]+)\.o|Linking \w+ \w+ \S*?([^/\s]+))$")
 
 
 def _cmake(args: list[str], desc: str, log: Path) -> float:
@@ -184,14 +185,17 @@ def _cmake(args: list[str], desc: str, log: Path) -> float:
     tail when cmake fails."""
     from .progress import Progress
     bar = Progress(100, desc, unit="%", prefix="[voodoo bootstrap] ")
-    with open(log, "a") as lf:
+    with open(log, "a", buffering=1) as lf:  # line-buffered: `tail -f` works
         lf.write("$ " + " ".join(args) + "\n")
         p = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for line in p.stdout:
             lf.write(line)
             m = _PCT.match(line)
-            if m:
-                bar.set(int(m.group(1)))
+            step = _STEP.search(line.rstrip())
+            note = None if step is None else \
+                (f"compiling {step.group(1)}" if step.group(1) else f"linking {step.group(2)}")
+            if m or note:
+                bar.set(int(m.group(1)) if m else bar.n, note)
         rc = p.wait()
     dt = bar.close(ok=rc == 0)
     if rc:

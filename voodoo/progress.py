@@ -58,6 +58,7 @@ class Progress:
         self.every_s, self.prefix = every_s, prefix
         self.t0 = self._last_t = time.monotonic()
         self._last_decile = 0
+        self.note = ""
         self.bar = None
         if is_tty(self.stream) if tty is None else tty:
             try:
@@ -69,10 +70,15 @@ class Progress:
     def _line(self, text: str) -> None:
         print(f"{self.prefix}{self.desc}: {text}", file=self.stream, flush=True)
 
-    def update(self, n: int = 1) -> None:
-        """Adds ``n`` units."""
+    def update(self, n: int = 1, note: str | None = None) -> None:
+        """Adds ``n`` units (0: only a heartbeat). ``note``: what is being done now (shown
+        after the percentage in plain-line mode, as the bar's postfix on a terminal)."""
         self.n = min(self.total, self.n + n) if self.total else self.n + n
+        if note is not None:
+            self.note = note
         if self.bar is not None:
+            if note is not None:
+                self.bar.set_postfix_str(note, refresh=False)
             self.bar.update(n)
             return
         now = time.monotonic()
@@ -80,12 +86,13 @@ class Progress:
         if decile > self._last_decile or now - self._last_t >= self.every_s:
             self._last_decile, self._last_t = decile, now
             pct = f"{100 * self.n / self.total:.0f}%" if self.total else f"{self.n}"
-            self._line(f"{pct} ({fmt_duration(now - self.t0)})")
+            note = f" {self.note}" if self.note else ""
+            self._line(f"{pct} ({fmt_duration(now - self.t0)}){note}")
 
-    def set(self, n: int) -> None:
-        """Moves the counter to ``n`` units (ignored when not ahead)."""
-        if n > self.n:
-            self.update(n - self.n)
+    def set(self, n: int, note: str | None = None) -> None:
+        """Moves the counter to ``n`` units (never backwards); ``note`` as in
+        :meth:`update`."""
+        self.update(max(0, n - self.n), note)
 
     def close(self, ok: bool = True) -> float:
         """Ends the bar; in plain-line mode prints ``done in …`` when ``ok``. Returns the

@@ -1,0 +1,137 @@
+"""voodoo chat / voodoo serve, end to end on the tiny model: a Voodoo GGUF (written by
+export_gguf with the provenance the CLI records) answers with llama-completion, side by side
+with its reference found through voodoo.model; llama-server answers a request on 127.0.0.1
+and stops by itself. Slow: needs llama-completion and llama-server (`voodoo bootstrap`)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from gguf import GGUFReader
+
+import cython_ggml
+from voodoo.llamacpp import LlamaCppNotBuilt, tool_path
+
+pytestmark = pytest.mark.slow
+
+
+def _need(name):
+    try:
+        return tool_path(name)
+    except LlamaCppNotBuilt as e:
+        pytest.skip(str(e))
+
+
+@pytest.fixture(scope="module")
+def tiny_voodoo_gguf(tiny_prepared, tmp_path_factory):
+    """The tiny model with every matrix in Q8_0, its voodoo.* KV as `voodoo export` writes
+    them (the model's name@sha256 indexed in the user's cache)."""
+    from voodoo import cli
+    from voodoo.export import export_gguf
+    base = tiny_prepared.base_gguf
+    tensors = {t.name: t for t in GGUFReader(base).tensors}
+    types = {n: "Q8_0" for n, t in tensors.items() if len(t.shape) == 2}
+
+    def lookup(name, t):
+        w = np.ascontiguousarray(np.asarray(tensors[name].data, dtype=np.float32))
+        return cython_ggml.quantize(w, t, None, tensor_name=name)
+    kv = cli._provenance(SimpleNamespace(model=str(tiny_prepared.hf_dir)),
+                         {"budget_bytes": 1, "total_bytes": 1}, tiny_prepared)
+    out = tmp_path_factory.mktemp("chat") / f"{tiny_prepared.name}.Voodoo100_Q8_0.gguf"
+    return export_gguf(base, types, lookup, out, extra_kv=kv)
+
+
+def test_generate_is_greedy_and_deterministic(tiny_voodoo_gguf):
+    _need("llama-completion")
+    from voodoo.chat import generate
+    a = generate(tiny_voodoo_gguf, "Hello", n_predict=8, ctx=256)
+    b = generate(tiny_voodoo_gguf, "Hello", n_predict=8, ctx=256)
+    assert a.templated                       # the GGUF has a chat template: -cnv -st
+    assert a.text and a.text == b.text
+    assert "Hello" not in a.text[:5]         # the prompt is not echoed
+
+
+def test_voodoo_chat_reference_side_by_side(tiny_voodoo_gguf, tiny_prepared, capsys):
+    _need("llama-completion")
+    from voodoo import cli
+    rc = cli.main(["chat", "--gguf", str(tiny_voodoo_gguf), "--reference", "--prompt", "Hi",
+                   "--n_predict", "8", "--ctx", "256"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    blocks = out.split("\n--- ")
+    assert blocks[0].strip() == "prompt: Hi"
+    assert blocks[1].startswith(f"quantized: {tiny_voodoo_gguf.name} (")
+    ref = Path(tiny_prepared.reference_gguf).name
+    assert blocks[2].startswith(f"reference: {ref} (")
+    for b in blocks[1:]:
+        head, text = b.split("\n", 1)
+        assert "greedy, chat template" in head
+        assert text.strip(), b                # each model generated something
+
+
+def test_chat_without_a_known_reference_says_what_to_do(tiny_voodoo_gguf, tmp_path,
+                                                        monkeypatch, capsys):
+    from voodoo import cli
+    monkeypatch.setenv("VOODOO_CACHE", str(tmp_path / "empty-cache"))
+    rc = cli.main(["chat", "--gguf", str(tiny_voodoo_gguf), "--reference"])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert "which this machine's Voodoo cache does not know; pass --model" in err
+
+
+def _post(url, body, timeout=120):
+    req = urllib.request.Request(url, data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read().decode())
+
+
+def test_server_answers_and_stops(tiny_voodoo_gguf):
+    _need("llama-server")
+    from voodoo.chat import LlamaServer, complete
+    with LlamaServer(tiny_voodoo_gguf, ctx=256) as srv:
+        assert srv.host == "127.0.0.1"
+        got = complete(srv.url, "Hello", n_predict=6)
+        assert got["content"] and got["tokens_predicted"] >= 1
+        oai = _post(srv.url + "/v1/completions",
+                    {"prompt": "Hello", "max_tokens": 6, "temperature": 0})
+        assert oai["object"] == "text_completion" and oai["choices"][0]["text"]
+        pid = srv.proc.pid
+    assert srv.proc.poll() is not None          # stopped on leaving the block
+    with pytest.raises(OSError):
+        urllib.request.urlopen(srv.url + "/health", timeout=2)
+    assert pid
+
+
+def test_voodoo_serve_answers_on_localhost_and_stops_by_itself(tiny_voodoo_gguf):
+    _need("llama-server")
+    from voodoo.chat import free_port
+    port = free_port()
+    t0 = time.monotonic()
+    p = subprocess.Popen([sys.executable, "-m", "voodoo.cli", "serve", "--gguf",
+                          str(tiny_voodoo_gguf), "--port", str(port), "--ctx", "256",
+                          "--stop_after", "40"], stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True)
+    try:
+        first = p.stdout.readline()               # printed once /health answers
+        assert first.startswith(f"serving {tiny_voodoo_gguf.name} at http://127.0.0.1:{port}"),\
+            first + p.stdout.read()
+        ans = _post(f"http://127.0.0.1:{port}/completion",
+                    {"prompt": "Hello", "n_predict": 6, "temperature": 0})
+        assert ans["content"]
+        rest, _ = p.communicate(timeout=120)      # --stop_after: it ends by itself
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert p.returncode == 0, rest
+    assert "stopped llama-server" in rest
+    assert time.monotonic() - t0 < 160
