@@ -123,3 +123,30 @@ def test_errors():
         cands.mix(torch.ones(3))
     with pytest.raises(ValueError, match="shape"):
         cands.dots(torch.ones(4, 32))
+
+
+def test_narrow_is_a_shard_of_the_dense_tensor():
+    cands, cand = _make(MENU_256, (2, 12, 512))          # (n_expert, n_rows, n_per_row)
+    probs = torch.softmax(torch.randn(len(MENU_256)), 0)
+    full = cands.mix(probs)
+    rows = cands.narrow(1, 4, 6)                          # a row shard of every expert
+    assert rows.shape == (2, 6, 512) and rows.nbytes * 2 == cands.nbytes
+    torch.testing.assert_close(rows.mix(probs), full[:, 4:10], rtol=0, atol=0)
+    cols = cands.narrow(-1, 256, 256)                     # a block-aligned column shard
+    assert cols.shape == (2, 12, 256)
+    for k in range(cands.k):
+        assert torch.equal(cols.dense(k), cand[k][..., 256:])
+    g = torch.randn(2, 12, 256)
+    torch.testing.assert_close(cols.dots(g), cand[..., 256:].reshape(cands.k, -1) @ g.reshape(-1),
+                               rtol=1e-5, atol=1e-4)
+    with pytest.raises(ValueError, match="block size 256"):
+        cands.narrow(-1, 32, 256)
+    with pytest.raises(ValueError, match="out of range"):
+        cands.narrow(0, 1, 2)
+
+
+def test_numpy_bytes_accepted():
+    w = np.random.default_rng(0).standard_normal((4, 64)).astype(np.float32)
+    data = cg.quantize(w, "Q8_0")
+    c = QuantizedCandidates([data], ["Q8_0"], (4, 64))
+    assert torch.equal(c.dense(0), torch.from_numpy(cg.dequantize(data, "Q8_0", 64)))

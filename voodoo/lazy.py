@@ -41,7 +41,8 @@ class QuantizedCandidates(torch.nn.Module):
     """K candidates of one GGUF tensor, held as ggml bytes.
 
     Args:
-        blocks: K uint8 tensors, candidate k as ``(n_rows, row_bytes_k)`` (or any shape with
+        blocks: K uint8 tensors (or numpy arrays, e.g. ``CandidateCache.get``'s), candidate k
+            as ``(n_rows, row_bytes_k)`` (or any shape with
             that many bytes) where ``n_rows = prod(shape[:-1])`` and ``row_bytes_k`` is the
             row size of ``types[k]`` for ``shape[-1]`` weights (``QuantType.row_nbytes``).
         types: K ggml type names (``"Q8_0"``, ``"IQ2_XXS"``, ``"F16"`` ...), each one
@@ -81,6 +82,8 @@ class QuantizedCandidates(torch.nn.Module):
         self.n_rows = math.prod(self.shape[:-1])
         self.types = tuple(qtype(t).name for t in types)
         for k, (b, t) in enumerate(zip(blocks, self.types)):
+            if not isinstance(b, torch.Tensor):
+                b = torch.as_tensor(b)
             if b.dtype != torch.uint8:
                 raise TypeError(f"candidate {k} ({t}) must be the raw bytes as torch.uint8, "
                                 f"got {b.dtype}")
@@ -139,9 +142,18 @@ class QuantizedCandidates(torch.nn.Module):
         return dequantize(self.blocks(k)[r0:r1], self.types[k], self.n_per_row)  # (r, n) f32
 
     # ------------------------------------------------------------------- the maths
-    def dense(self, k: int) -> torch.Tensor:
-        """Candidate ``k`` dequantized: ``shape`` float32 on the buffers' device."""
-        return dequantize(self.blocks(k), self.types[k], self.n_per_row).reshape(self.shape)
+    def dense(self, k: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Candidate ``k`` dequantized: ``shape`` tensor of ``dtype`` on the buffers' device
+        (float32: libggml's ``to_float`` bits exactly). With K = 1 this is how a quantized
+        (e.g. Q8_0) teacher weight is rebuilt on the fly."""
+        if self._compiled():
+            warm_tables(self.types[k:k + 1], self.device)
+            fn = _compiled_fn("dense")
+            with torch._dynamo.config.patch(**compile_recompile_limit()):
+                w = fn(self.blocks(k), self.types[k], self.n_per_row, dtype)
+        else:
+            w = dequantize(self.blocks(k), self.types[k], self.n_per_row).to(dtype)
+        return w.reshape(self.shape)
 
     def mix(self, probs: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """``W = sum_k probs[k] * deq(Q_k)``, computed tile by tile.
@@ -209,6 +221,37 @@ class QuantizedCandidates(torch.nn.Module):
                              f"per candidate ({', '.join(self.types)})")
         return probs
 
+    def narrow(self, dim: int, start: int, length: int) -> "QuantizedCandidates":
+        """The candidates of the sub-tensor ``W.narrow(dim, start, length)``: a tensor-parallel
+        rank's shard, holding a copy of only that shard's bytes.
+
+        ``dim`` counts in ``shape`` (GGUF numpy order). Along the last (quantized) dimension,
+        ``start`` and ``length`` must be multiples of every candidate type's block size, since
+        a block cannot be split. Raises ValueError otherwise or for an out-of-range slice."""
+        nd = len(self.shape)
+        d = dim % nd
+        if start < 0 or length <= 0 or start + length > self.shape[d]:
+            raise ValueError(f"narrow({dim}, {start}, {length}) is out of range for shape "
+                             f"{self.shape}")
+        shape = list(self.shape)
+        shape[d] = length
+        out = []
+        for k, t in enumerate(self.types):
+            q = qtype(t)
+            b = self.blocks(k).reshape(*self.shape[:-1], -1)        # (..., row_bytes)
+            if d == nd - 1:
+                if start % q.block_size or length % q.block_size:
+                    raise ValueError(
+                        f"cannot cut {t} rows at weights {start}..{start + length}: not a "
+                        f"multiple of its block size {q.block_size}; shard along another "
+                        f"dimension or at block boundaries")
+                b = b.narrow(d, start // q.block_size * q.type_size,
+                             length // q.block_size * q.type_size)
+            else:
+                b = b.narrow(d, start, length)
+            out.append(b.clone(memory_format=torch.contiguous_format))
+        return QuantizedCandidates(out, self.types, shape, self.tile_elements, self.compile)
+
     def extra_repr(self) -> str:
         return (f"shape={self.shape}, types={list(self.types)}, "
                 f"nbytes={self.nbytes}, tile_rows={self.tile_rows}")
@@ -229,13 +272,18 @@ def _dots_tile(g, tiles, types, n_per_row, acc_dtype):
                         for t, ty in zip(tiles, types)])
 
 
+def _dense_full(blocks, qtype_name, n_per_row, dtype):
+    return dequantize(blocks, qtype_name, n_per_row).to(dtype)
+
+
 _COMPILED: dict[str, object] = {}
 
 
 def _compiled_fn(kind: str):
     fn = _COMPILED.get(kind)
     if fn is None:
-        fn = torch.compile({"mix": _mix_tile, "dots": _dots_tile}[kind], dynamic=False,
+        fn = torch.compile({"mix": _mix_tile, "dots": _dots_tile, "dense": _dense_full}[kind],
+                           dynamic=False,
                            options=exact_compile_options())
         _COMPILED[kind] = fn
     return fn
