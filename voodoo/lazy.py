@@ -170,15 +170,20 @@ class QuantizedCandidates(torch.nn.Module):
         probs = self._check_probs(probs)
         acc_dtype = torch.float64 if probs.dtype == torch.float64 else torch.float32
         p = probs.to(acc_dtype)
-        out = torch.empty((self.n_rows, self.n_per_row), dtype=dtype, device=self.device)
         if self._compiled():
             warm_tables(self.types, self.device)
             fn = _compiled_fn("mix")
+            tiles = list(self._tiles())
             with torch._dynamo.config.patch(**compile_recompile_limit()):
-                for r0, r1 in self._tiles():
+                if len(tiles) == 1:  # the fused kernel writes W itself
+                    return fn(p, self._tile_blocks(0, self.n_rows), self.types, self.n_per_row,
+                              dtype).reshape(self.shape)
+                out = torch.empty((self.n_rows, self.n_per_row), dtype=dtype, device=self.device)
+                for r0, r1 in tiles:
                     out[r0:r1] = fn(p, self._tile_blocks(r0, r1), self.types, self.n_per_row,
                                     dtype)
             return out.reshape(self.shape)
+        out = torch.empty((self.n_rows, self.n_per_row), dtype=dtype, device=self.device)
         for r0, r1 in self._tiles():
             acc = self._deq(0, r0, r1).to(acc_dtype) * p[0]                # (r, n_per_row)
             for k in range(1, self.k):
