@@ -152,8 +152,8 @@ def smol_tensors(smol_gguf):
     t = {x.name: x for x in r.tensors}
     emb, down, q = t["token_embd.weight"], t["blk.0.ffn_down.weight"], t["blk.0.attn_q.weight"]
     return {
-        "emb": np.ascontiguousarray(emb.data[:64]),       # (64, 612) Q8_0 bytes, 576 wide
-        "down": np.ascontiguousarray(down.data[:48]),     # (48, 960) Q4_1 bytes, 1536 wide
+        "emb": np.array(emb.data[:64]),                   # (64, 612) Q8_0 bytes, 576 wide
+        "down": np.array(down.data[:48]),                 # (48, 960) Q4_1 bytes, 1536 wide
         "w1536": cg.dequantize(np.ascontiguousarray(down.data[:24]), "Q4_1", 1536),
         "w576": cg.dequantize(np.ascontiguousarray(q.data[:24]), "Q4_1", 576),
     }
