@@ -9,6 +9,11 @@ a step:
 * gated: the student's forward + backward with gate-logit gradients only, ms, and its ratio
   to plain (the goal is <= 1.1x; reading the K candidates twice costs about 1.07x on an H200);
 * step: a whole gate-training step (teacher forward, CE + KL + size penalty, Adam), ms;
+* with ``--lazy_ops``: the gates' two candidate operations for every gated tensor of the model
+  shape (one decoder layer timed, times ``--layers``, plus the tied embedding): ``mix`` and
+  ``dots`` on K dense bf16 candidates (the eager path) against
+  ``voodoo.lazy.QuantizedCandidates`` on the candidates' ggml bytes (``--lazy``), bytes held and
+  ms a step for each, and the one-hot exactness of the lazy mix;
 * with ``--ray``: the same training under Ray Train's ``TorchTrainer`` (one GPU worker;
   ``--tp 2``: tensor parallel over NCCL; ``--device_map cuda:0,cuda:1``: layer-wise in one
   worker), steps/s, tokens/s and peak memory per GPU, and its first-step loss next to the
@@ -180,6 +185,58 @@ def single_gpu(f: BigLlamaFactory, n: int) -> dict:
     return out
 
 
+def lazy_ops(f: BigLlamaFactory, n: int) -> dict:
+    """Eager (dense bf16) vs lazy (ggml bytes) candidate operations over the model's tensors."""
+    import sys
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from lazy_candidates import _random_blocks
+
+    from voodoo import kernels
+    from voodoo.lazy import QuantizedCandidates
+    types = ["Q8_0", "Q6_K", "Q5_K", "Q4_K", "IQ4_XS", "IQ3_S", "IQ2_S", "IQ1_S"][: f.k]
+    hd = f.hidden // f.heads
+    layer = {"attn_q": (f.heads * hd, f.hidden), "attn_k": (f.kv_heads * hd, f.hidden),
+             "attn_v": (f.kv_heads * hd, f.hidden), "attn_output": (f.hidden, f.heads * hd),
+             "ffn_gate": (f.intermediate, f.hidden), "ffn_up": (f.intermediate, f.hidden),
+             "ffn_down": (f.hidden, f.intermediate)}
+    tensors = [(name, shape, f.layers) for name, shape in layer.items()]
+    tensors.append(("token_embd", (f.vocab, f.hidden), 1))
+    gen = torch.Generator(device=DEV).manual_seed(0)
+    probs = torch.softmax(torch.randn(f.k, device=DEV, generator=gen), 0)
+    out = {"types": types, "per_tensor": {}}
+    tot = {"eager_bytes": 0, "lazy_bytes": 0, "eager_ms": 0.0, "lazy_ms": 0.0}
+    exact = True
+    for name, shape, count in tensors:
+        blocks = [_random_blocks(t, shape[0], shape[1], DEV, gen) for t in types]
+        lz = QuantizedCandidates(blocks, types, shape)
+        dense = torch.stack([lz.dense(i, torch.bfloat16) for i in range(f.k)])  # (K, R, C)
+        g = torch.randn(shape, device=DEV, generator=gen).to(torch.bfloat16)
+        t0 = time.perf_counter()
+        lz.mix(probs, torch.bfloat16), lz.dots(g)
+        first_s = time.perf_counter() - t0
+        exact &= all(torch.equal(lz.mix(torch.nn.functional.one_hot(torch.tensor(i), f.k)
+                                        .float().to(DEV)), lz.dense(i)) for i in range(f.k))
+        row = {
+            "shape": shape, "count": count, "first_call_s": round(first_s, 1),
+            "eager_mix_ms": _time(lambda: kernels.mix(probs, dense, torch.bfloat16), n),
+            "eager_dots_ms": _time(lambda: kernels.dots(dense, g), n),
+            "lazy_mix_ms": _time(lambda: lz.mix(probs, torch.bfloat16), n),
+            "lazy_dots_ms": _time(lambda: lz.dots(g), n),
+            "eager_bytes": dense.numel() * dense.element_size(), "lazy_bytes": lz.nbytes}
+        out["per_tensor"][name] = row
+        tot["eager_bytes"] += count * row["eager_bytes"]
+        tot["lazy_bytes"] += count * row["lazy_bytes"]
+        tot["eager_ms"] += count * (row["eager_mix_ms"] + row["eager_dots_ms"])
+        tot["lazy_ms"] += count * (row["lazy_mix_ms"] + row["lazy_dots_ms"])
+        del blocks, lz, dense, g
+    out.update(
+        candidates_eager_gib=tot["eager_bytes"] / 2**30, candidates_lazy_gib=tot["lazy_bytes"] / 2**30,
+        memory_ratio=tot["lazy_bytes"] / tot["eager_bytes"],
+        mix_plus_dots_ms_per_step_eager=tot["eager_ms"], mix_plus_dots_ms_per_step_lazy=tot["lazy_ms"],
+        lazy_onehot_exact=exact)
+    return out
+
+
 def ray_run(f: BigLlamaFactory, steps: int, tp: int, device_map: str | None, name: str) -> dict:
     import ray
 
@@ -224,6 +281,8 @@ def main():
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--n", type=int, default=5, help="timed repetitions")
     ap.add_argument("--single", action="store_true", help="plain vs gated vs step on cuda:0")
+    ap.add_argument("--lazy_ops", action="store_true",
+                    help="candidate mix/dots: dense bf16 (eager) vs ggml bytes (lazy)")
     ap.add_argument("--ray", action="store_true", help="TorchTrainer, one GPU worker")
     ap.add_argument("--tp", type=int, default=0, help="TorchTrainer tensor parallel N")
     ap.add_argument("--device_map", default=None, help="TorchTrainer layer-wise, one worker")
@@ -240,6 +299,9 @@ def main():
     if a.single:
         results["single"] = single_gpu(f, a.n)
         print(json.dumps(results["single"], indent=1), flush=True)
+    if a.lazy_ops:
+        results["lazy_ops"] = lazy_ops(f, a.n)
+        print(json.dumps(results["lazy_ops"], indent=1), flush=True)
     if a.ray:
         results["ray1"] = ray_run(f, a.ray_steps, 1, None, "bench-1gpu")
         print(json.dumps(results["ray1"], indent=1), flush=True)
