@@ -499,4 +499,7 @@ def compile_recompile_limit() -> dict:
     """``torch._dynamo.config`` patch that allows one compiled graph per (menu, tile shape)."""
     import torch._dynamo.config as dc
     key = "recompile_limit" if hasattr(dc, "recompile_limit") else "cache_size_limit"
-    return {key: max(256, getattr(dc, key))}
+    out = {key: max(256, getattr(dc, key))}
+    if hasattr(dc, "accumulated_recompile_limit"):
+        out["accumulated_recompile_limit"] = max(4096, dc.accumulated_recompile_limit)
+    return out
