@@ -135,3 +135,31 @@ def test_voodoo_serve_answers_on_localhost_and_stops_by_itself(tiny_voodoo_gguf)
     assert p.returncode == 0, rest
     assert "stopped llama-server" in rest
     assert time.monotonic() - t0 < 160
+
+
+def test_eval_without_shared_text_measures_on_the_eval_split(tiny_voodoo_gguf, tiny_model_dir,
+                                                             tmp_path, monkeypatch, capsys):
+    """`voodoo eval --gguf F` where ../shared/data/wikitext-2-raw-test.txt is absent: what
+    --eval_text's help says -- the decoded eval blocks, written to
+    <output_dir>/eval/eval-split.txt -- and a KLD row, instead of an error."""
+    _need("llama-perplexity")
+    from voodoo import cli
+    monkeypatch.setattr(cli, "_default_eval_text", lambda: None)
+    words = ("the river runs past old stone mills where farmers bring grain each autumn and "
+             "children count the boats that pass under the bridge before the first snow").split()
+    rng = np.random.default_rng(0)
+    src = tmp_path / "corpus.txt"
+    src.write_text("\n\n\n".join(" ".join(rng.choice(words, 60)) + "." for _ in range(60)))
+    out = tmp_path / "run"
+    rc = cli.main(["eval", "--gguf", str(tiny_voodoo_gguf), "--model", str(tiny_model_dir),
+                   "--data_name", str(src), "--seq_len", "64", "--n_train_blocks", "2",
+                   "--n_eval_blocks", "8", "--ctx", "64", "--chunks", "4",
+                   "--output_dir", str(out)])
+    cap = capsys.readouterr()
+    assert rc == 0, cap.err[-3000:]
+    split = out / "eval" / "eval-split.txt"
+    assert split.is_file() and len(split.read_text().split()) > 100
+    assert f"measuring on the eval split of {src}" in cap.err
+    row = next(l for l in cap.out.splitlines() if l.startswith(f"| {tiny_voodoo_gguf.name}"))
+    kld = float(row.split("|")[4])
+    assert 0 <= kld < 1.0       # Q8_0 of a tiny random model against its F32 reference

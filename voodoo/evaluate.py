@@ -357,6 +357,11 @@ def run_perplexity(gguf: str | os.PathLike, text_file: str | os.PathLike, ctx: i
                      "--kl-divergence-base", base["path"], "--kl-divergence"], timeout,
                     desc=f"llama-perplexity {model.name}")
     res = parse_perplexity_output(out)
+    if "kld" not in res and _chunks_done(out):
+        # kl_divergence() in tools/perplexity/perplexity.cpp: "if (kld.count < 100) return;"
+        raise PerplexityError(f"llama-perplexity scored {model.name} chunk by chunk but printed "
+                              "no statistics: it needs at least 100 scored tokens (each chunk "
+                              f"scores ctx/2 - 1); raise --chunks or --ctx:\n{_tail(out)}")
     if "kld" not in res:
         raise PerplexityError(f"llama-perplexity printed no KL divergence for {model.name} "
                               f"against {base['path']}:\n{_tail(out)}")
