@@ -99,3 +99,22 @@ def test_default_model_hash_needs_no_index(smol_gguf):
     value = model_id("SmolLM2-135M-Instruct", DEFAULT_MODEL_WHEEL["gguf_sha256"])
     assert Path(find_model(value)) == smol_gguf
     assert find_reference(value) == smol_gguf
+
+
+def test_doctor_model_prints_where_the_files_are(tiny_prepared, tmp_path, monkeypatch):
+    """`voodoo doctor --model M`: the base F32 GGUF the tensor-type-file recipe needs, the
+    reference GGUF and the voodoo.model value, each on its own line."""
+    import io
+
+    import voodoo.models
+    from voodoo import doctor
+    monkeypatch.setenv("VOODOO_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(voodoo.models, "prepare_model", lambda m: tiny_prepared)
+    out = io.StringIO()
+    doctor.model_paths(str(tiny_prepared.hf_dir), out)
+    lines = {l.split(None, 1)[0] if not l.startswith("  ") else l[2:24].strip(): l[24:].strip()
+             for l in out.getvalue().splitlines() if l.strip()}
+    assert lines["base F32 GGUF"] == str(tiny_prepared.base_gguf)
+    assert lines["reference GGUF"] == str(tiny_prepared.reference_gguf)
+    assert lines["voodoo.model"].startswith(f"{tiny_prepared.name}@sha256:")
+    assert f"{tiny_prepared.base_gguf} out.gguf Q8_0" in lines["recipe"]
