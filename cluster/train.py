@@ -771,8 +771,10 @@ def _failure_message(err, run_name: str, run_dir: str, max_failures: int, max_st
     fails = dict(getattr(err, "worker_failures", None) or {})
     died = sorted(r for r, e in fails.items() if _worker_died(e))
     if died:
+        cause = fails[died[0]]
+        cause = getattr(cause, "health_check_failure", None) or cause
         what = (f"worker rank{'s' if len(died) > 1 else ''} {', '.join(map(str, died))} died "
-                f"({_first_line(fails[died[0]])})")
+                f"({_first_line(cause)})")
     elif fails:
         r0 = sorted(fails)[0]
         what = f"worker rank {r0} failed ({_first_line(fails[r0])})"

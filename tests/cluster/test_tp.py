@@ -1,5 +1,6 @@
 """cluster.tp: tensor parallel over gloo workers gives the 1-worker student's logits, gates
-and baked assignment; refuses splits it cannot do, saying why."""
+and baked assignment; refuses splits it cannot do, saying why; a dead rank ends the run in
+one line and the same call resumes from the newest complete checkpoint."""
 
 from __future__ import annotations
 
@@ -10,10 +11,11 @@ import torch
 
 ray = pytest.importorskip("ray")
 
-from ray_session import local_ray  # noqa: E402
-from cluster.toy import DumpLogits, TinyLlamaFactory  # noqa: E402
+from ray_session import cpu_hog, local_ray  # noqa: E402
+from cluster.toy import DumpLogits, KillOnce, TinyLlamaFactory  # noqa: E402
 from cluster.tp import TensorParallelError, check_tp, tp_plan  # noqa: E402
-from cluster.train import WorkerInfo, run_training  # noqa: E402
+from cluster.train import (TrainingFailed, WorkerInfo, checkpoint_complete,  # noqa: E402
+                           run_training)
 from cluster.tune import bake_student  # noqa: E402
 from voodoo.train import TrainConfig  # noqa: E402
 
@@ -78,3 +80,36 @@ def test_tensor_parallel_matches_one_worker(tp, tmp_path, one_worker, ray_up):
     for a, b in zip(res.history, ref.history):
         assert a["size_ratio"] == pytest.approx(b["size_ratio"], rel=1e-5)
         assert a["kl"] == pytest.approx(b["kl"], rel=1e-4, abs=1e-6)
+
+
+@pytest.mark.ray
+def test_dead_tp_worker_ends_in_one_line_and_the_same_call_resumes(tmp_path, one_worker,
+                                                                     ray_up):
+    """TP=2 on a loaded machine, rank 1 killed right after the step-3 checkpoint, no restart
+    allowed: one line naming the death, the checkpoint kept and the command that resumes;
+    that call then continues from the newest complete checkpoint (all ranks' shards)."""
+    ref, _ = one_worker
+    marker, log, runs = tmp_path / "killed", tmp_path / "steps", tmp_path / "runs"
+    hook = KillOnce(str(marker), at_step=3, rank=1, steps_log=str(log),
+                    run_dir=str(runs / "tpkill"))
+    kw = dict(num_workers=2, tensor_parallel=2, run_name="tpkill", storage_path=runs,
+              resources_per_worker={"CPU": 0.5}, step_hook=hook, max_failures=0,
+              resume_command="voodoo tp --nproc 2 -- --output_dir out")
+    with cpu_hog(nice=10):
+        with pytest.raises(TrainingFailed) as ei:
+            run_training(FACTORY, CFG, **kw)
+        newest = int(marker.read_text().splitlines()[1])
+        msg = str(ei.value)
+        print(msg)
+        assert newest == 3 and ei.value.step == newest and "\n" not in msg
+        assert "gate training run tpkill stopped: worker rank" in msg and "died" in msg
+        assert f"kept checkpoint {runs / 'tpkill' / 'checkpoint_000003'} (step 3 of 6)" in msg
+        assert "no restart allowed (--max_failures 0)" in msg
+        assert "resume with: voodoo tp --nproc 2 -- --output_dir out" in msg
+    man = checkpoint_complete(ei.value.checkpoint)
+    assert man["world_size"] == 2 and {"rank-0000.pt", "rank-0001.pt"} <= set(man["files"])
+    res = run_training(FACTORY, CFG, **kw)
+    assert [int(s) for s in log.read_text().split()] == [1, 2, 3, *range(newest + 1, 7)]
+    assert res.finished and res.step == 6
+    for k in ref.gates:
+        torch.testing.assert_close(res.gates[k], ref.gates[k], atol=1e-4, rtol=0, msg=k)

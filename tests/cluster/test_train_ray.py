@@ -148,3 +148,9 @@ def test_terminal_error_is_not_retried(tmp_path, ray_up):
         run_training(TinyLlamaFactory(), _cfg(max_steps=2, lr=0.2), num_workers=1,
                      run_name="other", storage_path=tmp_path / "runs", max_failures=2,
                      resources_per_worker={"CPU": 0.5})
+
+
+def test_command_line_names_the_command_to_rerun():
+    from cluster.train import command_line
+    assert command_line(["/usr/local/bin/voodoo", "tp", "--nproc", "2", "--", "--model",
+                         "my model"]) == "voodoo tp --nproc 2 -- --model 'my model'"

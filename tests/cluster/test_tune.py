@@ -117,3 +117,70 @@ def test_interrupted_sweep_resumes_without_rerunning_finished_trials(tmp_path, r
     assert again["trial_id"] == best["trial_id"] and again["objective"] == best["objective"]
     with pytest.raises(ValueError, match="other settings.*num_samples"):
         run_sweep(f, cfg, **{**kw, "num_samples": 4})
+
+
+SWEEP_SCRIPT = """
+import sys
+sys.path[:0] = [{root!r}]
+from cluster.toy import TinyLlamaFactory
+from cluster.tune import run_sweep
+from voodoo.train import TrainConfig
+f = TinyLlamaFactory(calls_log={calls!r})
+cfg = TrainConfig(compression_ratio=0.7, max_steps=4, seq_len=16, batch_size=2, lr=0.1,
+                  partial_save_interval=2, t_end=0.2, size_weight=10.0, seed=3)
+best = run_sweep(f, cfg, num_samples=3, name="killed", storage_path={storage!r},
+                 shared=f.make_shared(), cpus_per_trial=0.5, max_concurrent_trials=1, seed=0)
+print("SWEEP_DONE", best["trial_id"], flush=True)
+"""
+
+
+def test_sigkilled_sweep_leaves_no_ray_behind_and_resumes(tmp_path):
+    """`voodoo tune`'s driver SIGKILLed after a trial finished: the local Ray it started is
+    gone within seconds (cluster.session's watchdog), and the same command continues the
+    sweep without training the trials that Tune had saved as finished."""
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+    from cluster.session import _is_ray
+    from cluster.tune import _progress, _trial
+
+    root = str(__import__("pathlib").Path(__file__).resolve().parents[2])
+    calls, storage = tmp_path / "calls", tmp_path / "ray"
+    script = tmp_path / "sweep.py"
+    script.write_text(SWEEP_SCRIPT.format(root=root, calls=str(calls), storage=str(storage)))
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    p = subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 150
+        while not _final_trials(storage / "killed") and time.time() < deadline:
+            assert p.poll() is None, p.stdout.read()[-3000:]
+            time.sleep(0.3)
+        assert _final_trials(storage / "killed"), "no trial finished in 150 s"
+        time.sleep(3)  # past TUNE_GLOBAL_CHECKPOINT_S (2 s): Tune saved the finished trial
+        ray_procs = [c for c in psutil.Process(p.pid).children(recursive=True) if _is_ray(c)]
+        assert any(c.name() == "raylet" for c in ray_procs)
+        p.kill()
+    finally:
+        if p.poll() is None:
+            p.kill()
+        p.wait()
+    gone_by = time.time() + 20
+    while time.time() < gone_by:
+        alive = [c for c in ray_procs if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+        if not alive:
+            break
+        time.sleep(0.5)
+    assert not alive, f"Ray processes alive 20 s after SIGKILL: {[c.name() for c in alive]}"
+
+    from ray import tune
+    done, total = _progress(tune.Tuner.restore(str(storage / "killed"), _trial).get_results(), 3)
+    assert 1 <= done < 3 and total == 3
+    before = len(calls.read_text().splitlines())
+    out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True,
+                         text=True, timeout=300).stdout
+    assert f"resuming sweep killed ({storage / 'killed'}): {done} of 3 trials finished" in out
+    assert "SWEEP_DONE" in out
+    assert len(calls.read_text().splitlines()) - before == 3 - done
