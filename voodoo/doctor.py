@@ -136,8 +136,8 @@ def run(out=sys.stdout, model: str | None = None) -> int:
     missing = [t for t, p in tools.items() if not p]
     if missing:
         problems.append(f"llama.cpp tools missing ({', '.join(missing)}): run `voodoo "
-                        "bootstrap` (builds only what is missing; about 3 min per group on 2 "
-                        "cores) or set VOODOO_LLAMA_CPP=/path/to/llama.cpp/build")
+                        "bootstrap` (builds only what is missing; a few minutes on 2 cores) "
+                        "or set VOODOO_LLAMA_CPP=/path/to/llama.cpp/build")
     for k, v in vendor_env().items():
         line(f"env {k}", f"{os.environ.get(k, '(unset)')} (voodoo tp sets {v})")
     if cython_ggml is not None:

@@ -9,7 +9,8 @@ Builds live outside the repository, in ``$VOODOO_CACHE/llama.cpp/<commit>/`` (de
     lib/   libggml-base.so (shared; what cython_ggml loads; about 20 s)
     bin/   static builds of the pipeline's tools (llama-quantize, llama-perplexity,
            llama-imatrix) and of the tools that talk to a GGUF (llama-completion, llama-cli,
-           llama-server); about 3 min for the first three and 3 more for the others on 2 cores
+           llama-server); on 2 idle cores about 3 min for the first three and 2 more for the
+           others (3 CPU-minutes measured)
 
 ``lib/`` and ``bin/`` are staged in ``*.partial-*`` folders and renamed into place only when
 complete, so an interrupted build never leaves a folder that looks finished. The CMake build
@@ -107,8 +108,8 @@ def tool_path(name: str) -> Path:
             return c
     raise LlamaCppNotBuilt(
         f"{name} not found (looked in {', '.join(str(c.parent) for c in cands)}); run "
-        "`voodoo bootstrap` (it builds only what is missing: about 3 min per group of tools "
-        "on 2 cores, once) or set VOODOO_LLAMA_CPP to a llama.cpp build folder")
+        "`voodoo bootstrap` (it builds only what is missing: a few minutes on 2 cores, "
+        "once) or set VOODOO_LLAMA_CPP to a llama.cpp build folder")
 
 
 def tools_status() -> dict[str, str | None]:
@@ -339,8 +340,8 @@ def build_tools(force: bool = False, tools: tuple[str, ...] = TOOLS) -> Path:
     Only tools that are missing are built (all of them when ``force`` or when the cached ones
     were built with other options, see ``BUILD_INFO.json``); the CMake folder
     ``<build_root>/build-tools`` is kept, so adding tools to a cache compiles only what they
-    add. On 2 cores: about 3 min for the pipeline's tools, about 3 min more for the chat
-    tools. The new ``bin/`` (cached tools + new ones) is staged and renamed into place."""
+    add. On 2 idle cores: about 3 min for the pipeline's tools, about 2 min more for the
+    chat tools. The new ``bin/`` (cached tools + new ones) is staged and renamed into place."""
     root = build_root()
     final = root / "bin"
     have = set() if force else _cached_tools(final)
@@ -396,10 +397,11 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
     ap = argparse.ArgumentParser(
         prog="voodoo bootstrap", description=__doc__.split("\n")[0],
-        epilog=f"Builds into {build_root()} (VOODOO_CACHE moves it). On 2 cores: "
-               "libggml-base about 20 s; the tools about 6 min (3 for llama-quantize, "
-               "llama-perplexity and llama-imatrix, 3 for llama-completion, llama-cli and "
-               "llama-server). Cached builds are reused; only missing tools are built.")
+        epilog=f"Builds into {build_root()} (VOODOO_CACHE moves it). On 2 idle cores: "
+               "libggml-base about 20 s; llama-quantize, llama-perplexity and llama-imatrix "
+               "about 3 min; llama-completion, llama-cli and llama-server about 2 min more "
+               "(several times longer when the cores are busy). Cached builds are reused; "
+               "only missing tools are built.")
     ap.add_argument("--lib-only", action="store_true",
                     help="build libggml-base only (about 20 s): enough to quantize candidates, "
                          "train and export; not for stock types (llama-quantize), "
