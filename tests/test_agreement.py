@@ -157,14 +157,18 @@ def test_unpermuted_q_fails_the_check(tmp_path_factory, tiny_tokens):
     assert bad["kld_mean"] > 1e-3
 
 
-def test_logits_input_must_have_bos_where_llama_cpp_puts_it(tiny_prepared, tiny_tokens):
-    v = gguf_vocab(tiny_prepared.base_gguf)
-    if not v["add_bos"]:
-        pytest.skip("vocabulary adds no BOS")
+def test_logits_input_must_have_bos_where_llama_cpp_puts_it(tiny_prepared, tiny_tokens,
+                                                             monkeypatch):
+    """A vocabulary that adds BOS (as gemma's SentencePiece ones do): logits passed in must
+    have been computed with BOS first; a model passed in gets BOS put there."""
+    import voodoo.agreement as ag
+    monkeypatch.setattr(ag, "gguf_vocab", lambda p: {"n_vocab": 49152, "bos": 1, "add_bos": True})
     t = tiny_tokens.clone()
-    t[:, 0] = v["bos"] + 1
+    t[:, 0] = 7
     with pytest.raises(ValueError, match="BOS"):
-        llama_vs_torch(tiny_prepared.base_gguf, torch.zeros(4, 128, 49152), t)
+        ag.llama_vs_torch(tiny_prepared.base_gguf, torch.zeros(4, 128, 49152), t)
+    assert (ag._with_bos(t, {"bos": 1})[:, 0] == 1).all()
+    assert torch.equal(ag._with_bos(t, {"bos": None}), t)
 
 
 def test_too_few_positions_is_refused(tiny_prepared):

@@ -44,7 +44,8 @@ _GEMMA_POST = {"post_attention_layernorm": 3.0, "post_feedforward_layernorm": 3.
 #: ("smollm2" | "spm"), ``tokenizer_class`` (override in tokenizer_config.json: phi3's converter
 #: reads it to pick the GPT-2 vocab path), ``vocab_std``/``shift_1d`` (see _spread_weights:
 #: granite's logits_scaling and falcon_h1's lm_head_multiplier shrink the logits, so their
-#: vocabulary matrices are drawn wider).
+#: vocabulary matrices are drawn wider), ``config_json`` (keys written over the saved
+#: config.json).
 FAMILIES: dict[str, tuple[str, dict, dict]] = {
     "llama": ("LlamaForCausalLM", dict(
         model_type="llama", hidden_size=256, intermediate_size=512, num_hidden_layers=2,
@@ -98,7 +99,12 @@ FAMILIES: dict[str, tuple[str, dict, dict]] = {
         layer_types=["mamba", "attention"], mamba_n_heads=8, mamba_d_head=32,
         mamba_d_state=32, mamba_n_groups=1, mamba_d_conv=4, mamba_expand=2,
         mamba_chunk_size=64, position_embedding_type=None, embedding_multiplier=2.0,
-        logits_scaling=1.5, residual_multiplier=0.7, attention_multiplier=0.2), {"vocab_std": 2.5 * 1.5}),
+        logits_scaling=1.5, residual_multiplier=0.7, attention_multiplier=0.2),
+        # transformers 5 saves layer_types as linear_attention/full_attention; the converter
+        # only knows the checkpoints' own spelling (GraniteHybridModel.get_attn_layers looks
+        # for "attention") and would write head_count_kv [0, 0] with attention tensors in
+        # layer 1, a GGUF llama.cpp refuses. Written back as IBM's checkpoints spell it.
+        {"vocab_std": 2.5 * 1.5, "config_json": {"layer_types": ["mamba", "attention"]}}),
     "falcon_h1": ("FalconH1ForCausalLM", dict(
         model_type="falcon_h1", hidden_size=128, intermediate_size=256, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=32, mamba_d_ssm=256,
@@ -196,7 +202,18 @@ def _spread_weights(model, seed: int, hidden: int, vocab: int, vocab_std: float 
                 std = (vocab_std if vocab in p.shape else 1.0) / hidden ** 0.5
                 if p.dim() == 3 and p.shape[1] == 1:               # depthwise conv (C, 1, K)
                     std = 1.0 / p.shape[-1] ** 0.5
-                p.copy_(torch.randn(p.shape, generator=g) * std)
+                w = torch.randn(p.shape, generator=g) * std
+                if vocab in p.shape:
+                    # Zipf-like tokens: each token's row (or column) scaled by exp(N(0, 0.3^2)),
+                    # renormalised to unit mean square, so the top of a next-token distribution
+                    # is a few well-separated tokens (as in a trained LM) instead of a near-tie
+                    # among 49152 Gaussian logits, where llama.cpp's 8-bit activation
+                    # quantization flips the argmax at ~6% of positions.
+                    ax = list(p.shape).index(vocab)
+                    s = torch.exp(torch.randn(p.shape[ax], generator=g) * 0.3)
+                    s = s / s.square().mean().sqrt()
+                    w = w * s.reshape([-1 if i == ax else 1 for i in range(p.dim())])
+                p.copy_(w)
             else:
                 p.add_(torch.randn(p.shape, generator=g) * 0.1)
                 for sub, c in (shift_1d or {}).items():
@@ -241,6 +258,10 @@ def _build(arch: str, cfg_kw: dict, extra: dict, out: Path, seed: int) -> Path:
                 {"tokenizer_class": "GemmaTokenizer", "bos_token": "<s>", "eos_token": "</s>",
                  "unk_token": "<unk>", "pad_token": "<pad>", "add_bos_token": True,
                  "add_eos_token": False}, indent=1))
+        if extra.get("config_json"):
+            cj = tmp / "config.json"
+            cj.write_text(json.dumps({**json.loads(cj.read_text()), **extra["config_json"]},
+                                     indent=2))
         if extra.get("tokenizer_class"):
             tc = tmp / "tokenizer_config.json"
             d = json.loads(tc.read_text())
@@ -260,7 +281,8 @@ def make_tiny(family: str, out_dir: str | os.PathLike | None = None, seed: int =
 
     Args:
         family: a key of :data:`FAMILIES` or :data:`ZOO_DISAGREE`.
-        out_dir: the folder to write; default ``zoo_dir()/<family>-s<seed>``. An existing
+        out_dir: the folder to write; default ``zoo_dir()/<family>-s<seed>`` ("phi3" spelt
+            "phi_3": llama.cpp special-cases a general.name containing "phi3"). An existing
             complete folder (``config.json`` and safetensors) is reused, not rewritten.
         seed: seeds transformers' init and :func:`_spread_weights`.
 
@@ -272,7 +294,10 @@ def make_tiny(family: str, out_dir: str | os.PathLike | None = None, seed: int =
     key = (family, seed) if out_dir is None else (str(out_dir), seed)
     if key in _CACHE and (_CACHE[key] / "config.json").is_file():
         return _CACHE[key]
-    out = Path(out_dir) if out_dir is not None else zoo_dir() / f"{family}-s{seed}"
+    # llama.cpp's vocab loader special-cases models whose general.name (from the folder name)
+    # contains "phi3" and then requires "</s>", "<unk>", "<s>" tokens: keep it out of the name
+    out = Path(out_dir) if out_dir is not None else \
+        zoo_dir() / f"{family.replace('phi3', 'phi_3')}-s{seed}"
     if not ((out / "config.json").is_file() and any(out.glob("*.safetensors"))):
         arch, cfg_kw, extra = table[family]
         _build(arch, cfg_kw, extra, out, seed)

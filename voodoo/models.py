@@ -58,6 +58,8 @@ class PreparedModel:
             ``base_gguf``.
         name: model name for file names, e.g. ``SmolLM2-135M-Instruct``.
         source: ``"gguf"`` or ``"hf"``.
+        converter_args: the ``convert_hf_to_gguf.py`` flags the base GGUF was made with (the
+            tensor map is derived with the same ones).
     """
 
     hf_dir: Path
@@ -65,6 +67,7 @@ class PreparedModel:
     reference_gguf: Path
     name: str
     source: str
+    converter_args: tuple = ()
 
 
 #: The default model: SmolLM2-135M-Instruct Q4_1, shipped inside a PyPI wheel (the only
@@ -314,7 +317,7 @@ def _prepare_hf_dir(d: Path, work_dir, name: str | None = None,
     base = out / "base-f32.gguf"
     if not base.is_file():
         convert_hf_to_f32_gguf(d, base, extra_args=flags)
-    return PreparedModel(d, base, base, name or model_name_from_path(d), "hf")
+    return PreparedModel(d, base, base, name or model_name_from_path(d), "hf", tuple(flags))
 
 
 # ------------------------------------------------------------------- the pinned converter
