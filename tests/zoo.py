@@ -202,15 +202,21 @@ def _spread_weights(model, seed: int, hidden: int, vocab: int, vocab_std: float 
                 std = (vocab_std if vocab in p.shape else 1.0) / hidden ** 0.5
                 if p.dim() == 3 and p.shape[1] == 1:               # depthwise conv (C, 1, K)
                     std = 1.0 / p.shape[-1] ** 0.5
+                if p.dim() == 2 and p.shape[0] <= 64 and p.shape[1] == hidden and \
+                        ("router" in name or name.endswith("gate.weight")):
+                    # MoE routers: decisive routing (expert logits ~6x apart in std), so that
+                    # the 8-bit activations of llama.cpp's quantized matmuls do not flip the
+                    # top-k experts at near-ties, which random routers are full of
+                    std *= 6.0
                 w = torch.randn(p.shape, generator=g) * std
                 if vocab in p.shape:
-                    # Zipf-like tokens: each token's row (or column) scaled by exp(N(0, 0.3^2)),
+                    # Zipf-like tokens: each token's row (or column) scaled by exp(N(0, 0.4^2)),
                     # renormalised to unit mean square, so the top of a next-token distribution
                     # is a few well-separated tokens (as in a trained LM) instead of a near-tie
                     # among 49152 Gaussian logits, where llama.cpp's 8-bit activation
                     # quantization flips the argmax at ~6% of positions.
                     ax = list(p.shape).index(vocab)
-                    s = torch.exp(torch.randn(p.shape[ax], generator=g) * 0.3)
+                    s = torch.exp(torch.randn(p.shape[ax], generator=g) * 0.4)
                     s = s / s.square().mean().sqrt()
                     w = w * s.reshape([-1 if i == ax else 1 for i in range(p.dim())])
                 p.copy_(w)

@@ -324,7 +324,7 @@ def llama_vs_torch(gguf_path: str | os.PathLike, model_or_logits, tokens: torch.
                 "-fa", flash_attn]
         if threads is not None:
             args += ["-t", str(threads)]
-        for attempt in range(_ATTEMPTS):
+        for _ in range(_ATTEMPTS):
             out = _run_tool(args, timeout)
             res = parse_perplexity_output(out)
             if "kld_p99_9" in res:
