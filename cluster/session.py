@@ -6,20 +6,23 @@ How each way of ending the driver treats them (Ray 2.60, measured):
 
 - normal exit, an exception, Ctrl-C (``KeyboardInterrupt``): ``ray.shutdown()`` runs (Ray
   registers it with ``atexit``) and stops them all;
-- ``SIGTERM``: Python's default action ends the process without ``atexit``; :func:`ensure_ray`
-  turns SIGTERM into ``SystemExit(143)`` (when no handler is set) so the shutdown runs;
+- ``SIGTERM``/``SIGHUP`` (a closed terminal): Python's default action ends the process without
+  ``atexit``; :func:`ensure_ray` turns them into ``SystemExit(128 + signal)`` (when no handler
+  is set) so the shutdown runs;
 - ``SIGKILL`` (or an OOM kill): nothing runs in the driver. GCS, raylet and the workers notice
   and exit within seconds, but the ``ray::DashboardAgent`` and ``ray::RuntimeEnvAgent``
-  processes stay alive (over a minute, measured; they hold ports and ~100 MiB each).
+  processes (children of the raylet) stay alive: still there a minute later, measured.
   :func:`ensure_ray` therefore starts a small **watchdog** process (``python -m
   cluster.session watch PID``) that follows the driver's process tree every half second and,
   once the driver is gone, sends SIGTERM, then SIGKILL after 3 s, to the processes it last saw
   in that tree (each checked by pid *and* start time, so a reused pid is never hit).
 
-``ray stop`` is the manual way out: it kills **every** Ray process of the user on the machine
-(all local clusters, other people's runs included on a shared account) and removes
-``/tmp/ray/ray_current_cluster``; ``ray stop --force`` uses SIGKILL. The watchdog only touches
-the processes of the Ray that this driver started. A Ray that Voodoo joined (``RAY_ADDRESS``,
+``ray stop`` is the manual way out: it finds **every** Ray process on the machine that it may
+signal, by name and command line (raylet first, GCS last; all local clusters, other people's
+runs included on a shared account), sends SIGTERM and SIGKILL to what is left after
+``--grace-period`` (16 s), and removes the address file of the current cluster
+(``/tmp/ray/ray_current_cluster``); ``ray stop --force`` sends SIGKILL at once. The watchdog
+only touches the processes of the Ray that this driver started. A Ray that Voodoo joined (``RAY_ADDRESS``,
 ``ray job submit``, a cluster started with ``ray start``) is never stopped by Voodoo.
 """
 
@@ -74,8 +77,8 @@ def _sigterm_to_exit(signum, frame):
 
 
 def ensure_ray(**init_kwargs) -> bool:
-    """``ray.init(**init_kwargs)`` unless Ray is up. When that started a local Ray, SIGTERM is
-    made to exit through ``ray.shutdown()`` (if the main thread has no SIGTERM handler yet) and
+    """``ray.init(**init_kwargs)`` unless Ray is up. When that started a local Ray, SIGTERM and
+    SIGHUP are made to exit through ``ray.shutdown()`` (where the main thread has no handler) and
     a watchdog process stops the local Ray if this process is SIGKILLed (module docstring).
     Returns True when this call started a local Ray."""
     global _WATCHDOG
@@ -86,9 +89,10 @@ def ensure_ray(**init_kwargs) -> bool:
     if not started_local_ray():
         return False
     import threading
-    if (threading.current_thread() is threading.main_thread()
-            and signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None)):
-        signal.signal(signal.SIGTERM, _sigterm_to_exit)
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            if signal.getsignal(sig) in (signal.SIG_DFL, None):
+                signal.signal(sig, _sigterm_to_exit)
     if _WATCHDOG is None or _WATCHDOG.poll() is not None:
         _WATCHDOG = subprocess.Popen(
             [sys.executable, "-m", "cluster.session", "watch", str(os.getpid())],

@@ -505,29 +505,36 @@ def run_loop(config: dict, backend) -> dict:
     ck = backend.get_checkpoint()
     step, history = 0, []
     if run_dir is not None:
-        found = newest_checkpoint(run_dir) if rank == 0 else None
-        if world > 1 and dist.is_initialized():
-            box = [None if found is None else (str(found[0]), found[1])]
-            dist.broadcast_object_list(box, src=0)
-            found = None if box[0] is None else (Path(box[0][0]), int(box[0][1]))
-        if found is not None:
-            ckpt_dir = found[0]
-            if ck is not None and local_dir is None:
-                # a checkpoint Ray registered but that has no manifest (written by an older
-                # Voodoo) wins only when it is newer
-                with ck.as_directory() as rd:
-                    if (not (Path(rd) / MANIFEST_FILE).is_file()
-                            and _checkpoint_step(rd) > found[1]):
-                        ckpt_dir = None
-            if ckpt_dir is not None:
-                ck = None
-        if rank == 0:  # folders newer than the one resumed are incomplete leftovers
-            for s_, p_ in _step_dirs(run_dir):
-                if s_ > (found[1] if found is not None else -1):
+        chosen = None
+        if rank == 0:
+            found = newest_checkpoint(run_dir)
+            chosen = (str(found[0]), found[1]) if found is not None else None
+            registered = getattr(ck, "path", None) if local_dir is None else None
+            if registered and os.path.isdir(registered):
+                # the one Ray registered is complete too (every rank's report returned); it
+                # wins when newer (killed between the reports and the manifest)
+                try:
+                    rs = _checkpoint_step(registered)
+                except Exception:  # noqa: BLE001 - unreadable: not a candidate
+                    rs = -1
+                if rs >= 0 and (chosen is None or rs > chosen[1]):
+                    chosen = (str(registered), rs)
+            newest_step = chosen[1] if chosen is not None else -1
+            for s_, p_ in _step_dirs(run_dir):  # newer folders: incomplete leftovers
+                if s_ > newest_step and (chosen is None or str(p_) != chosen[0]):
                     shutil.rmtree(p_, ignore_errors=True)
+            if local_dir is not None:  # an in-process run killed while writing one
+                for p_ in local_dir.glob(".tmp_checkpoint_*"):
+                    shutil.rmtree(p_, ignore_errors=True)
+        if world > 1 and dist.is_initialized():
+            box = [chosen]
+            dist.broadcast_object_list(box, src=0)
+            chosen = box[0]
+        if chosen is not None:
+            ckpt_dir, ck = Path(chosen[0]), None
+        elif local_dir is not None:
+            ck = None  # Ray's local mode keeps nothing worth resuming
         _barrier(world)
-        if local_dir is not None:
-            ck = None  # Ray's local mode has no checkpoint of its own worth resuming
     with (ck.as_directory() if ck is not None and ckpt_dir is None
           else _nullpath(ckpt_dir)) as d:
         if d is not None:
