@@ -143,6 +143,13 @@ ZOO_DISAGREE: dict[str, tuple[str, dict, dict]] = {
         layer_types=["sliding_attention", "full_attention"]), {}),
 }
 
+ZOO_DISAGREE["granitemoehybrid_rope"] = ("GraniteMoeHybridForCausalLM", dict(
+    FAMILIES["granitemoehybrid"][1], position_embedding_type="rope"),
+    FAMILIES["granitemoehybrid"][2])
+ZOO_DISAGREE["smollm3_nope_1_1"] = ("SmolLM3ForCausalLM", dict(
+    model_type="smollm3", hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+    no_rope_layers=[1, 0], **_ATT), {})
+
 _CACHE: dict[tuple[str, int], Path] = {}
 
 
