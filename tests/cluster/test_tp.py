@@ -95,7 +95,7 @@ def test_dead_tp_worker_ends_in_one_line_and_the_same_call_resumes(tmp_path, one
     kw = dict(num_workers=2, tensor_parallel=2, run_name="tpkill", storage_path=runs,
               resources_per_worker={"CPU": 0.5}, step_hook=hook, max_failures=0,
               resume_command="voodoo tp --nproc 2 -- --output_dir out")
-    with cpu_hog(nice=10):
+    with cpu_hog(nice=10, until=marker):
         with pytest.raises(TrainingFailed) as ei:
             run_training(FACTORY, CFG, **kw)
         newest = int(marker.read_text().splitlines()[1])

@@ -90,7 +90,7 @@ def test_killed_worker_resumes_from_newest_complete_checkpoint(tmp_path, referen
     the run must still go on from the newest complete checkpoint on storage."""
     marker, log, runs = tmp_path / "killed", tmp_path / "steps", tmp_path / "runs"
     hook = KillOnce(str(marker), at_step=4, steps_log=str(log), run_dir=str(runs / "kill"))
-    with cpu_hog(nice=10):
+    with cpu_hog(nice=10, until=marker):
         res = run_training(TinyLlamaFactory(), _cfg(), num_workers=1, run_name="kill",
                            storage_path=runs, max_failures=1, step_hook=hook,
                            resources_per_worker={"CPU": 0.5})
