@@ -22,8 +22,9 @@ signal, by name and command line (raylet first, GCS last; all local clusters, ot
 runs included on a shared account), sends SIGTERM and SIGKILL to what is left after
 ``--grace-period`` (16 s), and removes the address file of the current cluster
 (``/tmp/ray/ray_current_cluster``); ``ray stop --force`` sends SIGKILL at once. The watchdog
-only touches the processes of the Ray that this driver started. A Ray that Voodoo joined (``RAY_ADDRESS``,
-``ray job submit``, a cluster started with ``ray start``) is never stopped by Voodoo.
+only touches the processes of the Ray that this driver started. A Ray that Voodoo joined
+(``RAY_ADDRESS``, ``ray job submit``, a cluster started with ``ray start``) is never stopped by
+Voodoo.
 """
 
 from __future__ import annotations

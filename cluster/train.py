@@ -408,9 +408,11 @@ def run_loop(config: dict, backend) -> dict:
     (TrainConfig dict), ``tensor_parallel`` (int), ``use_gpu``, ``device_map`` (list or None),
     ``checkpoint_every`` (steps, default ``cfg.partial_save_interval``), ``report_every``
     (steps, 1), ``stop_after`` (steps or None), ``step_hook`` (``hook(step, info, student)``
-    after each step, or None), ``shared`` (object or ObjectRef), ``local_dir`` (in-process runs: where
-    checkpoints are kept), ``num_to_keep``, ``report_objective`` (add ``objective = kl +
-    penalty`` to the metrics, for Tune schedulers).
+    after each step, or None), ``shared`` (object or ObjectRef), ``local_dir`` (in-process
+    runs: where checkpoints are written), ``run_dir`` (the run's storage folder, scanned for
+    the newest complete checkpoint; default ``local_dir``), ``num_to_keep``,
+    ``report_objective`` (add ``objective = kl + penalty`` to the metrics, for Tune
+    schedulers).
 
     ``backend``: :class:`RayTrainBackend` or anything with its methods. Returns (on every
     rank) ``{"gates", "step", "budget_bytes", "history", "metrics", "job"}`` of the final

@@ -201,7 +201,10 @@ def run_sweep(factory: Callable[[WorkerInfo], StudentJob], cfg: TrainConfig, *,
     once and every trial reads it). ``cfg.max_steps`` steps per trial; ASHA
     (``max_t = max_steps + 1`` reports, ``grace_period`` default ``max_steps // 4``). OptunaSearch
     when ``use_optuna`` (default: when optuna imports). Trials run in their own processes with
-    ``cpus_per_trial``/``gpus_per_trial``; ``ray.init()`` is called if Ray is not up. Prints
+    ``cpus_per_trial``/``gpus_per_trial``; a local Ray is started if none is up
+    (:func:`cluster.session.ensure_ray`). ``name``: the sweep's folder under ``storage_path``;
+    a sweep already there with the same settings is continued (the module docstring), one
+    with other settings refused. Prints
     the trials and the best config when ``print_table``. ``init_logits``: every trial's
     starting gates (needed for ``cfg.gate_init == "fisher"``).
 
@@ -280,7 +283,8 @@ def run_sweep(factory: Callable[[WorkerInfo], StudentJob], cfg: TrainConfig, *,
     rows = []
     for r in grid:
         m, conf = r.metrics or {}, r.config or {}
-        rows.append({"trial_id": m.get("trial_id") or _trial_id(r), **{k: conf.get(k) for k in space},
+        rows.append({"trial_id": m.get("trial_id") or _trial_id(r),
+                     **{k: conf.get(k) for k in space},
                      OBJECTIVE: m.get(OBJECTIVE), "kl": m.get("kl") if m.get("final") else None,
                      "total_bytes": m.get("total_bytes"), "budget_bytes": m.get("budget_bytes"),
                      "finished": bool(m.get("final")), "ok": bool(m.get("ok")),
