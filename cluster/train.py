@@ -19,7 +19,8 @@ them: gloo on CPU, NCCL on GPU). Each worker:
 4. reports :data:`voodoo.train.METRICS` (+ ``step``, ``expected_bytes``, ``budget_bytes``)
    with ``ray.train.report`` every ``report_every`` steps, with a checkpoint every
    ``checkpoint_every`` steps and at the end -- every rank, equally often (a barrier);
-5. resumes from ``ray.train.get_checkpoint()`` (same ``storage_path`` and ``run_name``).
+5. resumes from the newest complete checkpoint of the run (same ``storage_path`` and
+   ``run_name``; below).
 
 Rank layout: ``world_rank = dp_rank * tensor_parallel + tp_rank`` (a replica's TP ranks are
 consecutive, so they share a node when workers are packed).

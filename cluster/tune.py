@@ -296,7 +296,9 @@ def run_sweep(factory: Callable[[WorkerInfo], StudentJob], cfg: TrainConfig, *,
     if not done:
         raise RuntimeError(f"no trial of sweep {name} finished with a size within the budget; "
                            f"see the table above")
-    best = min(done, key=lambda r: r[OBJECTIVE])
+    # ties (trials baking the same assignment) go to the lowest trial id, so a resumed or
+    # re-reported sweep names the same best trial
+    best = min(done, key=lambda r: (r[OBJECTIVE], str(r["trial_id"])))
     if print_table:
         print(f"best: trial {best['trial_id']} objective {best[OBJECTIVE]:.6g} nats, "
               f"config {{{', '.join(f'{k}: {best[k]:.6g}' for k in space)}}}")
