@@ -299,3 +299,37 @@ def read_imatrix(path: str | os.PathLike) -> dict[str, np.ndarray]:
             v = imatrix_from_sums({name: s}, {name: c})[name]
         out[name] = v[0] if v.shape[0] == 1 else v
     return out
+
+
+def llama_imatrix(base_gguf: str | os.PathLike, blocks, out_path: str | os.PathLike,
+                  tokenizer, threads: int | None = None, timeout: float | None = None) -> Path:
+    """Computes the imatrix with llama.cpp's own ``llama-imatrix`` on the base F32 GGUF and
+    writes it (GGUF format) to ``out_path``, atomically. Used for models whose selectable
+    tensors are not all plain ``nn.Linear`` weights (stacked experts get one vector per expert,
+    as llama-imatrix writes them).
+
+    ``blocks``: (N, T) int64 calibration tokens, decoded with ``tokenizer`` to the text file
+    llama-imatrix reads (``-c T --chunks N``; it re-tokenizes, so chunk boundaries follow its
+    tokenizer); ``--process-output`` so the output head is collected too (as the torch path
+    does). Raises RuntimeError with the tool's output tail when it fails or writes nothing."""
+    import subprocess
+    import tempfile
+
+    from .llamacpp import tool_path
+    out_path = Path(out_path)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    n, t = int(blocks.shape[0]), int(blocks.shape[1])
+    with tempfile.TemporaryDirectory(dir=out_path.parent) as tmp:
+        text = Path(tmp) / "calibration.txt"
+        text.write_text("\n".join(tokenizer.decode(b.tolist()) for b in blocks) + "\n")
+        part = Path(tmp) / "imatrix.gguf"
+        cmd = [str(tool_path("llama-imatrix")), "-m", str(base_gguf), "-f", str(text),
+               "-o", str(part), "-c", str(t), "--chunks", str(n), "--no-ppl",
+               "--process-output", "-t", str(threads or os.cpu_count() or 1)]
+        r = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                           timeout=timeout)
+        if r.returncode or not part.is_file():
+            tail = "\n".join(r.stdout.strip().splitlines()[-15:])
+            raise RuntimeError(f"llama-imatrix failed on {base_gguf}:\n{tail}")
+        os.replace(part, out_path)
+    return out_path

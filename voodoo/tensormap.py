@@ -550,10 +550,12 @@ def derive_tensor_map(model: torch.nn.Module, hf_dir: str | os.PathLike,
                     p.copy_(_probe_values(int(off), int(sz), digit).reshape(p.shape))
             d = work / f"ckpt{pi}"
             probe.save_pretrained(d, safe_serialization=True)
+            # the converter reads the model's own config.json and tokenizer files (which
+            # transformers may spell differently when it saves: e.g. layer_types)
             for f in hf_dir.iterdir():
-                if f.is_file() and not (d / f.name).exists() and \
+                if f.is_file() and \
                         not f.name.endswith((".safetensors", ".bin", ".pt", ".pth")) and \
-                        f.name != "model.safetensors.index.json":
+                        not f.name.endswith(".index.json"):
                     shutil.copy(f, d / f.name)
             runs.append((d, work / f"out{pi}"))
         if progress:
