@@ -102,6 +102,9 @@ def _train_flags(ap):
                     help="HF folder of the base weights (default: the prepared model)")
     ap.add_argument("--teacher_quant", default="BF16", choices=["BF16", "Q8_0", "F32"],
                     help="the teacher: the base weights rounded to this type")
+    ap.add_argument("--skip_preflight", action="store_true",
+                    help="go on even when llama.cpp's logits on the F32 GGUF disagree with "
+                         "transformers' (the pre-flight check before training)")
     ap.add_argument("--teacher_checkpoint", default=None,
                     help="HF folder of the teacher (from make-teacher); default built in memory")
     ap.add_argument("--kl_weight", type=float, default=1.0,
@@ -426,7 +429,54 @@ class Run:
             d = Path(a.data_dir) if a.data_dir else self.out / "data"
             self.train_blocks, self.eval_blocks, self.meta = ensure_dataset(
                 self.ctx, d, a.data_name, a.seq_len, a.n_train_blocks, a.n_eval_blocks, a.seed)
+        if hasattr(a, "skip_preflight"):
+            self.preflight()
         return self.train_blocks, self.eval_blocks
+
+    def preflight(self):
+        """llama.cpp's logits on the F32 GGUF vs transformers' on a few hundred calibration
+        tokens (:func:`voodoo.agreement.preflight`), once per model (the result is kept in
+        ``<output_dir>/preflight.json``). A disagreement stops the run unless
+        ``--skip_preflight``."""
+        import json as _json
+
+        from .agreement import (DEFAULT_PREFLIGHT_CHUNKS, DEFAULT_PREFLIGHT_CTX,
+                                AgreementError, chunk_tokens, preflight)
+        from .fsutil import sha256_file
+        from .llamacpp import LlamaCppNotBuilt, tool_path
+        from .pipeline import log, write_json
+        try:
+            tool_path("llama-perplexity")
+        except LlamaCppNotBuilt:
+            log("pre-flight check skipped: llama-perplexity is not built (voodoo bootstrap)")
+            return None
+        base = self.ctx.prepared.base_gguf
+        path = self.out / "preflight.json"
+        key = sha256_file(base)
+        if path.is_file():
+            try:
+                old = _json.loads(path.read_text())
+                if old.get("base_sha256") == key and old.get("ok"):
+                    return old
+            except ValueError:
+                pass
+        n_ctx = min(DEFAULT_PREFLIGHT_CTX, int(self.train_blocks.shape[1]))
+        tokens = chunk_tokens(self.train_blocks.reshape(-1), n_ctx, DEFAULT_PREFLIGHT_CHUNKS)
+        with self.timer("pre-flight (llama.cpp vs transformers)"):
+            try:
+                res = preflight(self.ctx.model, base, tokens)
+                ok = True
+            except AgreementError as e:
+                if not self.a.skip_preflight:
+                    raise
+                log(f"{e}\n--skip_preflight: going on anyway")
+                res, ok = getattr(e, "result", {}) or {}, False
+        rec = {"base_sha256": key, "ok": ok, "kld_mean": res.get("kld_mean"),
+               "same_top_p": res.get("same_top_p"), "n_tokens": res.get("n_tokens")}
+        log(f"pre-flight: llama.cpp on {base.name} vs transformers: KLD {rec['kld_mean']} "
+            f"nats/token, same top-1 {rec['same_top_p']} on {rec['n_tokens']} positions")
+        write_json(path, rec)
+        return rec
 
     def imatrix(self):
         from .pipeline import ensure_imatrix
