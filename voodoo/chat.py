@@ -63,8 +63,10 @@ def generate(gguf: str | os.PathLike, prompt: str, n_predict: int = 128, ctx: in
              threads: int | None = None, timeout: float | None = 600) -> Reply:
     """One greedy answer of ``gguf`` to ``prompt`` from ``llama-completion``.
 
-    With a chat template in the GGUF: ``-cnv -st`` (one user turn through the template, then
-    exit); without: ``-no-cnv`` (the prompt is continued as text). ``--temp 0`` (greedy),
+    With a chat template in the GGUF: ``-cnv -st --jinja`` (one user turn rendered by the
+    GGUF's own Jinja template, system prompt defaults included, as llama-server does; without
+    ``--jinja`` llama.cpp would substitute a built-in template it guesses from the text); without
+    a template: ``-no-cnv`` (the prompt is continued as text). ``--temp 0`` (greedy),
     ``-n n_predict`` tokens at most, ``-c ctx``, ``-t threads`` (default: llama.cpp's).
     The prompt is not echoed (``--no-display-prompt``); stdin is closed, so the tool can never
     wait for input.
@@ -78,7 +80,7 @@ def generate(gguf: str | os.PathLike, prompt: str, n_predict: int = 128, ctx: in
     args = [str(tool_path("llama-completion")), "-m", str(gguf), "-p", prompt,
             "-n", str(int(n_predict)), "-c", str(int(ctx)), "--temp", "0", "--seed", "0",
             "--no-display-prompt", "--no-warmup", "--simple-io",
-            *(["-cnv", "-st"] if templated else ["-no-cnv"])]
+            *(["-cnv", "-st", "--jinja"] if templated else ["-no-cnv"])]
     if threads:
         args += ["-t", str(int(threads))]
     t0 = time.monotonic()
