@@ -210,6 +210,9 @@ def dispatch_layers(model: nn.Module, devices: list[str], layers: str = "model.l
         layer.register_forward_pre_hook(
             lambda m, a, k, _d=dev: (_to(a, _d), _to(k, _d)), with_kwargs=True)
     stack[-1].register_forward_hook(lambda m, a, out: _to(out, first))
+    gates = getattr(model, "voodoo_gates", None)
+    if gates is not None and hasattr(gates, "follow_modules"):
+        gates.follow_modules(model)  # gates on any parameter: mix each layer's on its device
     for mw in mixed_weights(model).values():
         base = type(mw).expected_bytes
         mw.expected_bytes = types.MethodType(lambda self, _b=base: _b(self).to(first), mw)

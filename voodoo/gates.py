@@ -598,6 +598,37 @@ class ParamGates(nn.Module):
         """Removes the forward pre-hook (the model then keeps its last weights)."""
         self._hook.remove()
 
+    @torch.no_grad()
+    def follow_modules(self, model: nn.Module) -> dict[str, str]:
+        """Moves each gate (its candidates, logits and buffers) to the device of the module
+        that reads its parameter -- the device of the first tensor found in that module or,
+        going up, its parents -- so that after a layer-wise split (``--device_map``) each
+        layer's weights are mixed on its own device. Returns gguf_name -> device."""
+        names = {id(m): n for n, m in model.named_modules()}
+        out = {}
+        for pname, shape, t, dtype, owners, links, full, simple in self._plan:
+            dev = None
+            mod_name = names.get(id(owners[0][0]), "")
+            while dev is None:
+                mod = model.get_submodule(mod_name) if mod_name else model
+                for tns in list(mod.parameters(recurse=False)) + list(mod.buffers(recurse=False)):
+                    dev = tns.device
+                    break
+                if dev is None and not mod_name:
+                    break
+                mod_name = mod_name.rpartition(".")[0]
+            if dev is None:
+                continue
+            for g, _ in links:
+                mw = self.mixed[_key(g)]
+                if mw.logits.device != dev:
+                    mw.to(dev)
+                out[g] = str(dev)
+            if not full:
+                b = getattr(self.base, _key(pname))
+                setattr(self.base, _key(pname), b.to(dev))
+        return out
+
     def _refresh(self, module, args):
         self.assemble()
 
@@ -713,7 +744,7 @@ def install_param_gates(model: nn.Module, tmap, candidates: Mapping[str, torch.T
         name = e.gguf_name
         store = (stores or {}).get(name)
         if store is not None:
-            cand = torch.empty(store.k, 0, 0)
+            cand = torch.empty(store.k, 0, 0, device=getattr(store, "device", None))
         elif name in candidates:
             cand = candidates[name]
             if tuple(cand.shape[1:]) != e.shape:

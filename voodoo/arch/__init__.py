@@ -1,20 +1,18 @@
-"""Architecture adapters: the only place that knows an architecture's names and layouts.
+"""Architecture adapters: only what cannot be derived from llama.cpp's converter -- a
+tensor-parallel policy.
 
-An adapter says, for one family of HF causal LMs:
-
-* which tensors are **selectable** (get a learned ggml type), as :class:`TensorSpec`s keyed by
-  their GGUF name (``blk.3.ffn_down.weight``);
-* each tensor's **role** (``"attention"`` or ``"non_attention"``, which picks its menu) and its
-  **tensor-parallel** policy (``"column"``, ``"row"`` or ``None``);
-* the **row permutation** llama.cpp's ``convert_hf_to_gguf.py`` applies when it writes a tensor
-  (Q/K of llama-style models), with its inverse: :meth:`Adapter.hf_rows_to_gguf` /
-  :meth:`Adapter.gguf_rows_to_hf`.
+Which GGUF tensors are selectable, which HF parameters they hold and how (renames, Q/K
+permutations, transposes, splits, scales, stacked experts) is derived at run time for any
+architecture the pinned converter knows (:mod:`voodoo.tensormap`); the student gates HF
+parameters through that map (:func:`voodoo.gates.install_param_gates`). An adapter adds, for
+one family, the Megatron split of each tensor (``"column"``/``"row"``/None) and the module
+layout the tensor-parallel student (:mod:`cluster.tp`) shards: :class:`TensorSpec`s keyed by
+GGUF name, with the row permutation llama.cpp's converter applies (checked against the derived
+map: :func:`voodoo.pipeline._tp_adapter` only uses an adapter whose tensors are exactly the
+map's). A family without one trains on one device or layer-wise (``--device_map``).
 
 Adapters register themselves with :func:`register`; :func:`get_adapter` picks one from an HF
-config. The core never names an architecture: it asks the adapter.
-
-To add a family: write ``voodoo/arch/<family>.py`` with an :class:`Adapter` subclass decorated
-with ``@register("XForCausalLM", model_types=("x",))`` and import it at the bottom of this file.
+config.
 """
 
 from __future__ import annotations
@@ -164,8 +162,9 @@ def get_adapter(config: Any) -> Adapter:
         return _BY_MODEL_TYPE[mt](config)
     what = ", ".join(archs) if archs else f"model_type={mt!r}"
     raise UnsupportedArchitecture(
-        f"no Voodoo adapter for {what}; supported architectures: "
-        f"{', '.join(supported_architectures())}. Adding one is a small file in voodoo/arch/.")
+        f"no tensor-parallel adapter for {what} (tensor parallelism is available for "
+        f"{', '.join(supported_architectures())}); train on one device or layer-wise with "
+        "--device_map, which work for any architecture llama.cpp's converter knows")
 
 
 # Adapters register themselves on import.
