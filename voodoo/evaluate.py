@@ -490,8 +490,7 @@ def plot_assignment(assignment, path: str | os.PathLike, title: str | None = Non
         grid[rows.index(r), cols.index(c)] = index[t]
     base = plt.get_cmap("viridis")
     colours = [base(0.1 + 0.85 * i / max(1, len(present) - 1)) for i in range(len(present))]
-    cmap = ListedColormap(colours)
-    cmap.set_bad("white")
+    cmap = ListedColormap(colours).with_extremes(bad="white")
     norm = BoundaryNorm(np.arange(len(present) + 1) - 0.5, len(present))
     fig_w = 1.6 + 0.95 * len(cols)
     fig_h = 1.4 + 0.26 * len(rows)
