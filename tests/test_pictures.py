@@ -63,3 +63,18 @@ def test_plot_size_vs_kld(tmp_path):
     with pytest.raises(ValueError, match="no row with both size_mib and kld"):
         plot_size_vs_kld([{"file": "x", "size_mib": 1.0, "kld": None}], tmp_path / "e.png")
     assert not (tmp_path / "e.png").exists()
+
+
+def test_voodoo_run_writes_both_next_to_the_report(tmp_path):
+    """runner.write_pictures (called by compare_with_stock after report.{json,md})."""
+    from types import SimpleNamespace
+
+    from voodoo.runner import write_pictures
+    r = SimpleNamespace(stem="M.Voodoo55_Q4_K_S", assignment=_assignment(3),
+                        ctx=SimpleNamespace(prepared=SimpleNamespace(name="M")),
+                        a=SimpleNamespace(ctx=512, chunks=8))
+    rows = [{"file": "Voodoo", "size_mib": 1.0, "kld": 0.1},
+            {"file": "stock IQ4_XS", "size_mib": 1.2, "kld": 0.2}]
+    paths = write_pictures(r, rows, tmp_path / "eval")
+    assert [p.name for p in paths] == ["assignment.png", "size_vs_kld.png"]
+    assert all(Image.open(p).format == "PNG" for p in paths)
