@@ -143,7 +143,7 @@ class LlamaServer:
     ``start()`` returns once ``GET /health`` answers 200 (the model is loaded) or raises
     ChatError when the server exits or ``timeout`` seconds pass first (with its log's tail).
     ``stop()`` sends SIGTERM, waits up to 10 s, then SIGKILL. The server's output goes to
-    ``log`` (a file path; default a temporary file) unless ``inherit_output``.
+    ``log`` (a file path; default a temporary file).
 
     Args:
         gguf: the model file.
@@ -153,13 +153,13 @@ class LlamaServer:
     """
 
     def __init__(self, gguf: str | os.PathLike, host: str = "127.0.0.1", port: int | None = None,
-                 ctx: int = 2048, threads: int | None = None, log: str | os.PathLike | None = None,
-                 inherit_output: bool = False):
+                 ctx: int = 2048, threads: int | None = None,
+                 log: str | os.PathLike | None = None):
         self.gguf = Path(gguf)
         if not self.gguf.is_file():
             raise FileNotFoundError(f"{self.gguf}: no such GGUF file")
         self.host, self.port = host, int(port) if port else free_port(host)
-        self.ctx, self.threads, self.inherit = ctx, threads, inherit_output
+        self.ctx, self.threads = ctx, threads
         self.log = Path(log) if log else None
         self.proc: subprocess.Popen | None = None
 
@@ -177,18 +177,15 @@ class LlamaServer:
         return args
 
     def start(self, timeout: float = 120.0) -> "LlamaServer":
+        """Starts the server and waits for ``/health`` (see the class docstring)."""
         args = self.command()
-        if self.inherit:
-            self._logf = None
-            self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL)
-        else:
-            if self.log is None:
-                fd, name = tempfile.mkstemp(prefix="llama-server.", suffix=".log")
-                os.close(fd)
-                self.log = Path(name)
-            self._logf = open(self.log, "w")
-            self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=self._logf,
-                                         stderr=subprocess.STDOUT)
+        if self.log is None:
+            fd, name = tempfile.mkstemp(prefix="llama-server.", suffix=".log")
+            os.close(fd)
+            self.log = Path(name)
+        self._logf = open(self.log, "w")
+        self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=self._logf,
+                                     stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout
         while True:
             if self.proc.poll() is not None:
