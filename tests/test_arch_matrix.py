@@ -159,7 +159,8 @@ def test_family(family, tools_ready, tmp_path):
     r = subprocess.run([str(tool_path("llama-quantize")), "--imatrix",
                         str(tmp_path / "imatrix.gguf"), "--tensor-type-file", str(ttf),
                         str(ctx.prepared.base_gguf), str(ref), "Q8_0"],
-                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                       errors="replace")
     assert r.returncode == 0, r.stdout[-3000:]
     mine = {t.name: t for t in gguf.GGUFReader(str(out)).tensors}
     theirs = {t.name: t for t in gguf.GGUFReader(str(ref)).tensors}

@@ -454,7 +454,7 @@ def quantize_with_llama(base_gguf: str | os.PathLike, out: str | os.PathLike,
         cmd.append(str(int(n_threads)))
     try:
         r = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                           timeout=timeout)
+                           errors="replace", timeout=timeout)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise

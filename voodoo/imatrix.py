@@ -327,7 +327,7 @@ def llama_imatrix(base_gguf: str | os.PathLike, blocks, out_path: str | os.PathL
                "-o", str(part), "-c", str(t), "--chunks", str(n), "--no-ppl",
                "--process-output", "-t", str(threads or os.cpu_count() or 1)]
         r = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                           timeout=timeout)
+                           errors="replace", timeout=timeout)
         if r.returncode or not part.is_file():
             tail = "\n".join(r.stdout.strip().splitlines()[-15:])
             raise RuntimeError(f"llama-imatrix failed on {base_gguf}:\n{tail}")

@@ -489,7 +489,7 @@ def convert_hf_to_f32_gguf(hf_dir: str | os.PathLike, out: str | os.PathLike,
     _log(f"converting {hf_dir} to an F32 GGUF with llama.cpp's convert_hf_to_gguf.py")
     try:
         r = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                           text=True, timeout=timeout)
+                           text=True, errors="replace", timeout=timeout)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise

@@ -392,7 +392,8 @@ def _run_converter(runs: list[tuple[Path, Path]], converter_args, spec_path: Pat
                                      "flags": list(converter_args)}))
     script = Path(__file__).with_name("_converter_probe.py")
     r = subprocess.run([sys.executable, str(script), str(src), str(spec_path)], env=env,
-                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                       errors="replace")
     if r.returncode == 3:
         arch = r.stdout.strip().splitlines()[-1].replace("UNSUPPORTED ", "")
         raise UnsupportedArchitecture(
