@@ -338,8 +338,12 @@ def _shim_dir(tmp: Path) -> Path:
     d = tmp / "bin"
     d.mkdir()
     shim = d / "voodoo"
-    shim.write_text(f"#!{sys.executable}\nimport sys\nsys.path.insert(0, {str(REPO / 'tests')!r})\n"
-                    "from test_skills import shim_main\nsys.exit(shim_main(sys.argv[1:]))\n")
+    # loaded by file name, not by putting tests/ on sys.path: tests/cython_ggml would shadow
+    # the (editable-installed) package
+    shim.write_text(f"#!{sys.executable}\nimport importlib.util, sys\n"
+                    f"spec = importlib.util.spec_from_file_location('test_skills', {__file__!r})\n"
+                    "m = importlib.util.module_from_spec(spec)\nspec.loader.exec_module(m)\n"
+                    "sys.exit(m.shim_main(sys.argv[1:]))\n")
     shim.chmod(shim.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
     return d
 
