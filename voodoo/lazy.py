@@ -120,6 +120,21 @@ class QuantizedCandidates(torch.nn.Module):
     def device(self) -> torch.device:
         return self.q0.device
 
+    @property
+    def shape2d(self) -> tuple[int, int]:
+        """``(n_rows, n_per_row)``: the tensor as rows (experts stacked as rows), the layout
+        :class:`voodoo.gates.MixedWeight` works in."""
+        return (self.n_rows, self.n_per_row)
+
+    @torch._dynamo.disable
+    def mix_autograd(self, probs: torch.Tensor, dtype: torch.dtype = torch.float32
+                     ) -> torch.Tensor:
+        """Differentiable ``sum_k probs[k] deq(Q_k)`` as ``shape2d`` in ``dtype`` (the store
+        interface :func:`voodoo.gates.mix_weight` calls): ``probs`` ``(K,)`` float32 on the
+        buffers' device; ``dL/dprobs`` recomputed tile by tile in the backward (:class:`LazyMix`).
+        Runs outside ``torch.compile``'s graph (its tiles are compiled kernels of their own)."""
+        return lazy_mix(self, probs, dtype).reshape(self.shape2d)
+
     def dense_nbytes(self, dtype: torch.dtype = torch.float32) -> int:
         """Bytes the eager path's dense ``(K, *shape)`` tensor of ``dtype`` would hold."""
         return self.k * self.n_rows * self.n_per_row * dtype.itemsize

@@ -394,16 +394,45 @@ def candidate_tensors(ctx: Context, menus, keys, cache: CandidateCache, dtype=to
     return out
 
 
+def quantized_candidates(ctx: Context, menus, keys, cache: CandidateCache, device="cpu"
+                         ) -> dict:
+    """gguf_name -> :class:`voodoo.lazy.QuantizedCandidates` holding the tensor's K candidates
+    as the cache's ggml bytes (the bytes the exported GGUF gets), on ``device``: about
+    ``sum_k bpw_k / 8`` bytes per weight instead of ``K x 4`` (float32) dense. Each candidate
+    is copied from the memory-mapped cache file straight to ``device``."""
+    from .lazy import QuantizedCandidates
+    out = {}
+    for s in ctx.specs:
+        blocks = []
+        for t in menus[s.gguf_name]:
+            data = cache.get(keys[(s.gguf_name, t)])
+            if data is None:
+                raise RuntimeError(f"candidate {s.gguf_name} as {t} ({keys[(s.gguf_name, t)]})"
+                                   f" is missing from {cache}; run `voodoo precache` again")
+            blocks.append(torch.from_numpy(np.array(data, dtype=np.uint8)).to(device))
+        out[s.gguf_name] = QuantizedCandidates(blocks, menus[s.gguf_name], tuple(s.shape))
+    return out
+
+
 def build_student(ctx: Context, menus, keys, cache: CandidateCache, dtype=torch.float32,
-                  device="cpu"):
+                  device="cpu", lazy: bool = False):
     """Installs the gates on ``ctx.model`` (in place): each selectable GGUF tensor gets its K
     candidates (dequantized by libggml exactly as llama.cpp does, GGUF layout), and the HF
     parameters it reads are recomputed from the gates through the tensor map
-    (:func:`voodoo.gates.install_param_gates`). Returns gguf_name -> MixedWeight."""
+    (:func:`voodoo.gates.install_param_gates`). Returns gguf_name -> MixedWeight.
+
+    ``lazy``: keep the candidates as their ggml bytes (:func:`quantized_candidates`) and mix
+    them tile by tile on the fly (:mod:`voodoo.lazy`; bit-identical dequantization, so the
+    same weights as the eager path; ``dtype`` is then unused: the mixtures are accumulated in
+    float32 and come out in the model parameters' dtype). Eager (default): dense
+    ``(K, n_rows, n_per_row)`` candidates of ``dtype``."""
     from .gates import install_param_gates
-    cands, table = candidate_tensors(ctx, menus, keys, cache, dtype, device), \
-        bytes_table(ctx.specs, menus)
+    table = bytes_table(ctx.specs, menus)
     ctx.model.to(device)
+    if lazy:
+        stores = quantized_candidates(ctx, menus, keys, cache, device)
+        return install_param_gates(ctx.model, ctx.tmap, {}, table, menus=menus, stores=stores)
+    cands = candidate_tensors(ctx, menus, keys, cache, dtype, device)
     return install_param_gates(ctx.model, ctx.tmap, cands, table, menus=menus)
 
 

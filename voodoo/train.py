@@ -340,6 +340,24 @@ def start_gates(mixed, cfg: TrainConfig, budget: float,
     init_gates(mixed, cfg.gate_init, budget_bpw(budget, shapes), cfg.gate_init_strength)
 
 
+def enable_checkpointing(model: nn.Module) -> bool:
+    """Turns on transformers' activation (gradient) checkpointing per decoder layer, the
+    non-reentrant variant (the reentrant one drops gradients when no input requires grad).
+    Correct with the gates: :class:`voodoo.gates.ParamGates` sets every gated weight as a
+    tensor before the forward, so a layer's recomputed forward reads the same mixed weights
+    (same probabilities) and the gate gradients are unchanged. Returns False (and does
+    nothing) for a model without transformers' checkpointing. The model must be in training
+    mode for the layers to checkpoint."""
+    kw = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kw)
+    elif hasattr(model, "gradient_checkpointing_enable"):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kw)
+    else:
+        return False
+    return True
+
+
 def train_gates(student: nn.Module, teacher, train_blocks: torch.Tensor, cfg: TrainConfig,
                 output_dir: str | os.PathLike | None = None, *, budget: int | None = None,
                 grad_sync: Callable[[list], None] | None = None, rank: int = 0,
@@ -391,10 +409,7 @@ def train_gates(student: nn.Module, teacher, train_blocks: torch.Tensor, cfg: Tr
     gate_ids = {id(p) for p in params}
     for p in student.parameters():
         p.requires_grad_(id(p) in gate_ids)
-    if cfg.gradient_checkpointing and hasattr(student, "gradient_checkpointing_enable"):
-        # Non-reentrant: the reentrant variant drops grads when no input requires grad.
-        student.gradient_checkpointing_enable(
-            gradient_checkpointing_kwargs={"use_reentrant": False})
+    if cfg.gradient_checkpointing and enable_checkpointing(student):
         student.train()  # HF checkpoints only in training mode; Llama-style models have no dropout
     else:
         student.eval()
