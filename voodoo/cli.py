@@ -132,7 +132,13 @@ def _train_flags(ap):
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                     help="dtype of the student and candidates (bfloat16 saves GPU memory)")
     ap.add_argument("--gradient_checkpointing", action="store_true",
-                    help="recompute activations in the backward pass (less memory)")
+                    help="recompute each decoder layer's activations in the backward pass "
+                         "(non-reentrant checkpointing; same gate gradients, less memory)")
+    ap.add_argument("--lazy", action="store_true",
+                    help="keep the candidates as their ggml bytes (sum of bpw/8 bytes a weight "
+                         "instead of K x 2 or 4) and mix them tile by tile on the fly, with "
+                         "dequantization bit-identical to llama.cpp's; for models whose dense "
+                         "candidates do not fit the device")
     ap.add_argument("--partial_save_interval", type=int, default=10,
                     help="write the resumable journal train/partial.pt every this many steps")
     ap.add_argument("--no_compile", action="store_true",
@@ -538,7 +544,8 @@ class Run:
             imatrix=str(self.imatrix_path) if getattr(self, "imatrix_path", None) else None,
             cache_dir=str(self.cache.root), train_blocks=self.train_blocks,
             eval_blocks=self.eval_blocks, teacher_quant=a.teacher_quant,
-            teacher_checkpoint=a.teacher_checkpoint, dtype=a.dtype, budget=int(self.budget))
+            teacher_checkpoint=a.teacher_checkpoint, dtype=a.dtype, budget=int(self.budget),
+            lazy=a.lazy)
 
     def train(self):
         from .pipeline import build_student, build_teacher
@@ -553,7 +560,8 @@ class Run:
         with self.timer("student"):
             from .train import torch_dtype
             self.mixed = build_student(self.ctx, self.menus, self.keys, self.cache,
-                                       dtype=torch_dtype(a.dtype), device=a.device)
+                                       dtype=torch_dtype(a.dtype), device=a.device,
+                                       lazy=a.lazy)
         with self.timer("gate training"):
             from .pipeline import train
             res = train(self.ctx, self.teacher, self.train_blocks, cfg, self.out / "train",

@@ -623,7 +623,8 @@ class StudentFactory:
     ``data_dir`` (``n_train``/``n_eval`` first blocks). ``imatrix``: path of the imatrix file
     (None: no imatrix). ``teacher_quant``/``teacher_checkpoint``: :func:`build_teacher`'s.
     ``dtype``: candidates' dtype (None: ``info.cfg.dtype``). ``budget``: bytes (None: from the
-    TrainConfig).
+    TrainConfig). ``lazy``: candidates held as ggml bytes (:func:`build_student`'s ``lazy``;
+    one GPU or data parallel, not tensor parallel).
 
     Candidates must already be in the cache (``voodoo precache`` / the CLI's candidate stage):
     the factory only looks them up (in-process, no quantization expected). The core imports no
@@ -643,6 +644,7 @@ class StudentFactory:
     dtype: str | None = None
     budget: int | None = None
     work_dir: str | None = None
+    lazy: bool = False
 
     def blocks(self):
         """(train_blocks, eval_blocks)."""
@@ -669,8 +671,16 @@ class StudentFactory:
         dtype = self.dtype or (cfg.dtype if cfg is not None else "float32")
         tp = int(getattr(info, "tp_size", 1) or 1)
         specs = legacy_specs(ctx) if tp > 1 else list(ctx.specs)
-        build = build_student_tp if tp > 1 else build_student
-        build(ctx, self.menus, keys, cache, dtype=torch_dtype(dtype), device=info.device)
+        if tp > 1:
+            if self.lazy:
+                raise ValueError("--lazy is not supported with tensor parallelism yet; drop "
+                                 "--lazy or train with --tensor_parallel 1 (one GPU or data "
+                                 "parallel)")
+            build_student_tp(ctx, self.menus, keys, cache, dtype=torch_dtype(dtype),
+                             device=info.device)
+        else:
+            build_student(ctx, self.menus, keys, cache, dtype=torch_dtype(dtype),
+                          device=info.device, lazy=self.lazy)
         n_head = getattr(ctx.adapter, "n_head", None) or getattr(
             ctx.model.config, "num_attention_heads", None)
         n_head_kv = getattr(ctx.adapter, "n_head_kv", None) or getattr(
