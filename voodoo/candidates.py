@@ -237,10 +237,35 @@ def quantize_candidate(w: np.ndarray, type_name, imatrix_row: np.ndarray | None,
             (``tensor_requires_imatrix``), a wrong-length imatrix row.
         TypeError: non-float32 input.
     """
-    import cython_ggml  # loads libggml on first use
-
     w = _as_f32_2d(w)
     t = qtype(type_name)
+    try:
+        return _quantize(w, t, imatrix_row, gguf_name, n_threads)
+    except (ValueError, RuntimeError) as e:
+        raise _named_error(e, w, t.name, gguf_name) from e
+
+
+def _named_error(e: Exception, w: np.ndarray, type_name: str, gguf_name: str | None):
+    """libggml's error about one tensor, re-worded to name the tensor and the way out."""
+    who = gguf_name or f"a tensor of shape {w.shape}"
+    bad = ~np.isfinite(w)
+    if bad.any():
+        r, c = (int(i) for i in np.argwhere(bad)[0])
+        return ValueError(f"{who}: {int(bad.sum())} NaN/Inf weights (first at row {r}, column "
+                          f"{c}); no type can quantize them: fix the model's weights (a "
+                          f"checkpoint saved after a diverged step?) and convert it again")
+    big = float(np.max(np.abs(w))) if w.size else 0.0
+    if "validate_row_data" in str(e) and type_name == "F16" and big > 65504.0:
+        return ValueError(f"{who}: weights up to {big:g} exceed float16's range (65504), so F16 "
+                          f"(llama.cpp's type for its {w.shape[1]}-wide rows) would be inf; "
+                          f"use BF16 for it (voodoo.quants.range_safe_menu; '{who}=bf16' in "
+                          f"the tensor-type file)")
+    return type(e)(f"{who} as {type_name}: {e}")
+
+
+def _quantize(w: np.ndarray, t, imatrix_row, gguf_name, n_threads) -> np.ndarray:
+    import cython_ggml  # loads libggml on first use
+
     im = effective_imatrix(imatrix_row, gguf_name, w.shape[1])
     if im is not None and im.ndim == 2:
         # stacked experts: llama-quantize quantizes expert e's rows with imatrix vector e

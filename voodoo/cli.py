@@ -386,6 +386,29 @@ def _stem(ctx, a, assignment) -> str:
     return output_name(ctx.prepared.name, pct, bpw).removesuffix(".gguf")
 
 
+def _range_safe_menus(ctx, menus: dict) -> dict:
+    """Menus in which no tensor is asked for F16 (llama.cpp's fallback for row lengths no
+    block divides) when its weights exceed float16's range: such a tensor gets BF16 instead
+    (:func:`voodoo.quants.range_safe_menu`; same bytes), and one line says so."""
+    names = [n for n, m in menus.items() if "F16" in m]
+    if not names:
+        return menus
+    import numpy as np
+
+    from .pipeline import base_weights, log
+    from .quants import F16_MAX, range_safe_menu
+    w = base_weights(ctx.prepared.base_gguf, names)
+    out = dict(menus)
+    for n in names:
+        big = float(np.max(np.abs(w[n]))) if w[n].size else 0.0
+        if not big <= F16_MAX:
+            out[n] = range_safe_menu(menus[n], big)
+            log(f"{n}: weights up to {big:g} exceed float16's range ({F16_MAX:g}), so its F16 "
+                f"(llama.cpp's type for {w[n].shape[-1]}-wide rows) would be inf; it is kept "
+                f"in BF16 instead (same size; '{n}=bf16' in the tensor-type file)")
+    return out
+
+
 # ----------------------------------------------------------------------------- stages
 class Run:
     """The shared state of a CLI invocation: context, data, imatrix, menus, candidates."""
@@ -418,6 +441,7 @@ class Run:
         a = self.a
         self.menus = make_menus(self.ctx.specs, a.candidate_types, a.attention_candidates,
                                 a.non_attention_candidates)
+        self.menus = _range_safe_menus(self.ctx, self.menus)
         self.table = bytes_table(self.ctx.specs, self.menus)
         match = self.match_size_budget()
         if match == -1:  # --match_size TYPE: known once the imatrix exists
@@ -448,9 +472,9 @@ class Run:
 
         from .agreement import (DEFAULT_PREFLIGHT_CHUNKS, DEFAULT_PREFLIGHT_CTX,
                                 AgreementError, chunk_tokens, preflight)
-        from .fsutil import sha256_file
         from .llamacpp import LlamaCppNotBuilt, tool_path
         from .pipeline import log, write_json
+        from .provenance import file_sha256
         try:
             tool_path("llama-perplexity")
         except LlamaCppNotBuilt:
@@ -458,7 +482,7 @@ class Run:
             return None
         base = self.ctx.prepared.base_gguf
         path = self.out / "preflight.json"
-        key = sha256_file(base)
+        key = file_sha256(base)
         if path.is_file():
             try:
                 old = _json.loads(path.read_text())
@@ -484,15 +508,58 @@ class Run:
         write_json(path, rec)
         return rec
 
+    def model_id(self) -> str:
+        """``Name@sha256:<hex>`` of the base F32 GGUF (:func:`voodoo.provenance.model_identity`)
+        plus ``+<base_checkpoint>`` when --base_checkpoint replaces the weights."""
+        if getattr(self, "_model_id", None) is None:
+            from .provenance import model_identity
+            mid = model_identity(self.ctx.prepared)
+            base = getattr(self.a, "base_checkpoint", None)
+            self._model_id = mid + (f"+{Path(base).resolve()}" if base else "")
+        return self._model_id
+
+    def imatrix_inputs(self) -> dict:
+        """What a computed ``<output_dir>/imatrix.gguf`` is made from: the model and the sha256
+        of the calibration tokens (absent when the tokens are not loaded)."""
+        from .provenance import tokens_sha256
+        inputs = {"model": self.model_id(), "imatrix_blocks": int(self.a.imatrix_blocks)}
+        blocks = getattr(self, "train_blocks", None)
+        if blocks is not None:
+            inputs["tokens"] = tokens_sha256(blocks[: self.a.imatrix_blocks])
+        return inputs
+
+    def stale_imatrix(self) -> str | None:
+        """Why ``<output_dir>/imatrix.gguf`` may not be used for this run (made from another
+        model or other calibration tokens, or of unknown origin), or None (usable, or absent).
+        Tokens are compared only when loaded."""
+        from .provenance import check, describe
+        inputs = self.imatrix_inputs()
+        diff = check(self.out, "imatrix.gguf", inputs)
+        if diff and "tokens" not in inputs:
+            diff = [k for k in diff if k != "tokens"]
+        return describe(self.out, "imatrix.gguf", inputs, diff) if diff else None
+
     def imatrix(self):
         from .pipeline import ensure_imatrix
         a = self.a
         with self.timer("imatrix"):
+            if not a.imatrix:
+                why = self.stale_imatrix()
+                if why is not None:
+                    from .pipeline import log
+                    log(f"{self.out / 'imatrix.gguf'} was not made for this run ({why}); "
+                        "rebuilding it")
+                    (self.out / "imatrix.gguf").unlink()
+                    if getattr(self, "train_blocks", None) is None:
+                        self.data()
             have = a.imatrix or (self.out / "imatrix.gguf").is_file()
             blocks = getattr(self, "train_blocks", None)
             calib = None if have or blocks is None else blocks[: a.imatrix_blocks]
             self.imatrix_path = Path(a.imatrix) if a.imatrix else self.out / "imatrix.gguf"
             self.im = ensure_imatrix(self.ctx, self.out / "imatrix.gguf", calib, a.imatrix)
+            if not a.imatrix and calib is not None:
+                from .provenance import record
+                record(self.out, "imatrix.gguf", self.imatrix_inputs())
         return self.im
 
     def candidates(self):
@@ -501,6 +568,7 @@ class Run:
         if getattr(self, "menus", None) is None:
             self.menus = make_menus(self.ctx.specs, a.candidate_types, a.attention_candidates,
                                     a.non_attention_candidates)
+        self.menus = _range_safe_menus(self.ctx, self.menus)
         self.cache = _cache(a)
         with self.timer("candidates (libggml)"):
             self.keys = ensure_candidates(self.ctx, self.menus, self.im, self.cache,
@@ -547,12 +615,53 @@ class Run:
             teacher_checkpoint=a.teacher_checkpoint, dtype=a.dtype, budget=int(self.budget),
             lazy=a.lazy)
 
+    def training_inputs(self) -> dict:
+        """What a training journal / Ray checkpoint folder of this run is made from: the model,
+        the sha256 of the train tokens, of the imatrix file and of the menus (the settings are
+        checked by the journal itself, :func:`voodoo.train.train_gates`)."""
+        import hashlib
+
+        from .provenance import file_sha256, tokens_sha256
+        inputs = {"model": self.model_id()}
+        if getattr(self, "train_blocks", None) is not None:
+            inputs["tokens"] = tokens_sha256(self.train_blocks)
+        im = getattr(self, "imatrix_path", None)
+        if im is not None:
+            inputs["imatrix"] = file_sha256(im) if Path(im).is_file() else "none"
+        if getattr(self, "menus", None) is not None:
+            inputs["menus"] = hashlib.sha256(json.dumps(
+                {k: list(v) for k, v in sorted(self.menus.items())}).encode()).hexdigest()
+        return inputs
+
+    def check_training_state(self, artifact: str, what: str, record_it: bool = True) -> None:
+        """Refuses to resume training state (``artifact``: the journal ``train/partial.pt`` or a
+        Ray run folder) made from another model or other inputs, naming both and the way out;
+        then records this run's inputs for it (``record_it``). Only the inputs known so far are
+        compared (the model alone before the data and imatrix stages)."""
+        from .provenance import ProvenanceError, check, describe, record, recorded
+        inputs = self.training_inputs()
+        diff = check(self.out, artifact, inputs)
+        if diff:
+            diff = [k for k in diff if k in inputs or k == "origin unknown"]
+        if diff:
+            path = Path(artifact) if Path(artifact).is_absolute() else self.out / artifact
+            old = (recorded(self.out, artifact) or {}).get("model")
+            from .provenance import _short
+            whose = (f"of {_short(old)}, not of {_short(inputs['model'])}" if "model" in diff
+                     else f"made from other inputs ({describe(self.out, artifact, inputs, diff)})")
+            raise ProvenanceError(
+                f"{path} is the {what} of a run {whose}; pass a fresh --output_dir, or delete "
+                f"{path} to train from scratch here")
+        if record_it:
+            record(self.out, artifact, inputs)
+
     def train(self):
         from .pipeline import build_student, build_teacher
         a = self.a
         cfg = self.train_config()
         if getattr(a, "ray", False):
             return self.train_ray(cfg)
+        self.check_training_state("train/partial.pt", "training journal")
         with self.timer("teacher"):
             self.teacher = build_teacher(self.ctx, a.teacher_quant,
                                          checkpoint=a.teacher_checkpoint)
@@ -604,6 +713,7 @@ class Run:
             init = self.gate_prior(cfg, build_teacher(self.ctx, a.teacher_quant,
                                                       checkpoint=a.teacher_checkpoint))
         run_name, storage = _ray_run_name(a, self.out), _ray_storage(a, self.out)
+        self.check_training_state(str(Path(storage) / run_name), "Ray Train checkpoint folder")
         nw = a.num_workers
         if nw is None:
             nw = a.tensor_parallel * (a.data_parallel or 1)
@@ -639,6 +749,7 @@ class Run:
             self.assignment["model"] = str(Path(_model_arg(a)).resolve()) \
                 if Path(_model_arg(a)).exists() else _model_arg(a)
             self.assignment["llama_cpp_commit"] = llama_cpp_commit()
+            self.assignment["provenance"] = self.training_inputs()
             write_json(self.out / f"{self.stem}.assignment.json", self.assignment)
             import torch
             torch.save({k: v.detach().cpu() for k, v in gates.items()},
@@ -803,7 +914,14 @@ def _train(argv, run_all=False):
     r.context()
     _check_upgrade_patterns(rules, [s.gguf_name for s in r.ctx.specs])
     r.menus_and_budget()  # an unreachable budget fails before data, imatrix and candidates
+    _check_tp_early(r)  # a split that cuts quant blocks too (before precache and Fisher)
     _check_journal_early(r.out / "train")
+    # a journal of another model fails now, before data, imatrix and candidates
+    if a.ray:
+        r.check_training_state(str(Path(_ray_storage(a, r.out)) / _ray_run_name(a, r.out)),
+                               "Ray Train checkpoint folder", record_it=False)
+    else:
+        r.check_training_state("train/partial.pt", "training journal", record_it=False)
     r.data()
     r.imatrix()
     r.candidates()
@@ -814,6 +932,52 @@ def _train(argv, run_all=False):
         from .runner import compare_with_stock
         compare_with_stock(r)
     return 0
+
+
+def _check_tp_early(r) -> None:
+    """``--ray --tensor_parallel N`` (``voodoo tp``): the split is checked as soon as the menus
+    are known, before data, imatrix, precache and Fisher: the architecture has a
+    tensor-parallel adapter, the heads and split dimensions divide by N, and each row-parallel
+    shard is cut between quantization blocks of every menu type (:func:`cluster.tp.check_tp`).
+    Raises UsageError naming the tensor, the type and a tensor-parallel size that works."""
+    a = r.a
+    tp = int(getattr(a, "tensor_parallel", 1) or 1)
+    if not getattr(a, "ray", False) or tp <= 1:
+        return
+    from .pipeline import legacy_specs
+    try:
+        specs = legacy_specs(r.ctx)
+    except ValueError as e:
+        raise UsageError(f"--tensor_parallel {tp}: {e}") from None
+    from cluster.tp import TensorParallelError, _block_size, check_tp, head_counts
+    try:
+        n_head, n_head_kv = head_counts(r.ctx.model.config)
+    except TensorParallelError as e:
+        raise UsageError(f"--tensor_parallel {tp}: {e}") from None
+
+    def problem(k: int) -> str | None:
+        try:
+            check_tp(r.ctx.model, specs, k, n_head, n_head_kv)
+        except TensorParallelError as e:
+            return str(e)
+        if k == 1:
+            return None
+        for s in specs:
+            if s.tp != "row":
+                continue
+            for t in r.menus.get(s.gguf_name, []):
+                bs = _block_size(t)
+                if s.n_per_row % k or (s.n_per_row // k) % bs:
+                    return (f"{s.gguf_name} ({s.module_name}) is split by its {s.n_per_row} "
+                            f"columns into shards of {s.n_per_row / k:g}, not a multiple of "
+                            f"{t}'s block size {bs}")
+        return None
+
+    why = problem(tp)
+    if why:
+        works = next(k for k in range(tp - 1, 0, -1) if problem(k) is None)
+        raise UsageError(f"--tensor_parallel {tp}: {why}; use tensor parallel {works} (voodoo "
+                         f"tp --nproc {works}), or drop that type from the menus")
 
 
 def _check_journal_early(train_dir: Path) -> None:
@@ -838,13 +1002,19 @@ def _export(argv):
     from .pipeline import ensure_candidates, export
     r = Run(a)
     r.context()
-    if a.imatrix is None and not (r.out / "imatrix.gguf").is_file():
+    asg = json.loads(Path(a.assignment).read_text())
+    made_from = (asg.get("provenance") or {}).get("model")
+    if made_from and made_from != r.model_id():
+        from .provenance import ProvenanceError, _short
+        raise ProvenanceError(f"{a.assignment} was made for {_short(made_from)}, not for "
+                              f"{_short(r.model_id())}; pass --model with the model it was "
+                              "made for, or train one for this model")
+    if a.imatrix is None and (not (r.out / "imatrix.gguf").is_file() or r.stale_imatrix()):
         r.data()
         r.imatrix()
     else:
         r.train_blocks = None
         r.imatrix()
-    asg = json.loads(Path(a.assignment).read_text())
     menus = {n: [v["type"]] for n, v in asg["tensors"].items()}
     r.cache = _cache(a)
     keys = ensure_candidates(r.ctx, menus, r.im, r.cache, _precache_fn(a))
@@ -1040,6 +1210,7 @@ def _tune(argv):
     from cluster.tune import run_sweep
     name = a.sweep_name or _ray_run_name(SimpleNamespace(run_name=None), r.out) \
         .replace("voodoo-train-", "voodoo-tune-")
+    r.check_training_state(str(Path(_ray_storage(a, r.out)) / name), "Ray Tune sweep")
     with r.timer("sweep (Ray Tune)"):
         best = run_sweep(r.student_factory(), cfg, num_samples=a.num_samples,
                          size_weight=tuple(a.size_weight_range),

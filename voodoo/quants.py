@@ -18,7 +18,8 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 __all__ = [
     "QuantType", "TYPES", "qtype", "fallback_type", "tensor_nbytes", "build_menu",
     "DEFAULT_ATTENTION_MENU", "DEFAULT_NON_ATTENTION_MENU", "IMATRIX_REQUIRED",
-    "requires_imatrix", "FTYPE_NOMINAL_BPW", "nearest_ftype", "Q8_0",
+    "requires_imatrix", "FTYPE_NOMINAL_BPW", "nearest_ftype", "Q8_0", "F16_MAX",
+    "range_safe_menu",
 ]
 
 #: Types that can be candidates or fallbacks (floating types included for the F16 fallback).
@@ -127,6 +128,27 @@ def fallback_type(t, n_per_row: int) -> QuantType:
     if n_per_row % r.block_size:
         r = TYPES["F16"]
     return r
+
+
+#: the largest finite float16 magnitude; larger weights become inf in F16
+F16_MAX = 65504.0
+
+
+def range_safe_menu(menu, max_abs: float) -> list[str]:
+    """``menu`` (type names) with F16 replaced by BF16 when the tensor's largest weight
+    magnitude ``max_abs`` exceeds float16's range (:data:`F16_MAX`): llama.cpp's F16 (its
+    shape fallback, :func:`fallback_type`) would write inf, which ``ggml_validate_row_data``
+    rejects (llama-quantize stops with "quantized data validation failed"). BF16 holds the
+    float32 range in the same 2 bytes per weight, so sizes are unchanged; written as ``=bf16``
+    in the tensor-type file, llama-quantize reproduces it. Duplicates are dropped."""
+    out = []
+    for t in menu:
+        t = qtype(t).name
+        if t == "F16" and not max_abs <= F16_MAX:
+            t = "BF16"
+        if t not in out:
+            out.append(t)
+    return out
 
 
 def tensor_nbytes(t, n_rows: int, n_per_row: int) -> int:

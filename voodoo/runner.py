@@ -19,12 +19,25 @@ def gguf_bpw(path) -> tuple[int, float]:
 
 
 def stock_file(base_gguf, ftype: str, imatrix_file, out_dir) -> Path:
-    """``llama-quantize --imatrix I base out FTYPE`` (cached in ``out_dir``)."""
+    """``llama-quantize --imatrix I base out FTYPE``, kept in ``out_dir`` as
+    ``stock.<FTYPE>.gguf`` and reused only when made from the same base F32 GGUF, imatrix and
+    llama.cpp (sha256s recorded in ``out_dir/provenance.json``, :mod:`voodoo.provenance`);
+    a file made from other inputs is quantized again, and the log says so."""
     from .export import quantize_with_llama
+    from .llamacpp import llama_cpp_commit
+    from .provenance import check, describe, file_sha256, record
     out = Path(out_dir) / f"stock.{ftype}.gguf"
-    if not out.is_file():
+    inputs = {"base": file_sha256(base_gguf),
+              "imatrix": file_sha256(imatrix_file) if imatrix_file else "none",
+              "ftype": ftype, "llama_cpp_commit": llama_cpp_commit()}
+    diff = check(out_dir, out.name, inputs)
+    if diff:
+        log(f"{out} was not made for this run ({describe(out_dir, out.name, inputs, diff)}); "
+            f"quantizing it again")
+    if diff is None or diff:
         log(f"llama-quantize {ftype}")
         quantize_with_llama(base_gguf, out, imatrix_file=imatrix_file, default_type=ftype)
+        record(out_dir, out.name, inputs)
     return out
 
 

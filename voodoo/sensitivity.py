@@ -207,11 +207,10 @@ def knapsack_choice(dist: Mapping[str, Sequence[float]], nbytes: Mapping[str, Se
     if sum(min(nbytes[n]) for n in names) > budget:
         raise ValueError(f"budget {budget:.0f} bytes is below the smallest types' total")
     out = min_cost_assignment(dist, nbytes, 0, budget, resolution=resolution)
-    if out is None:
-        raise ValueError(f"budget {budget:.0f} bytes cannot be met after rounding sizes to "
-                         f"units of budget/{resolution}; raise resolution")
     # the rounding can cost the DP a little where the hull already fits well: keep the better
     _, hull = lagrangian_choice(dist, nbytes, budget)
+    if out is None:  # rounded up, the sizes overfill a budget they fit exactly (e.g. a
+        return hull  # Q8_0-only menu at ratio 1.0): the hull's choice fits, unrounded
     if sum(dist[n][hull[n]] for n in names) < sum(dist[n][out[n]] for n in names):
         return hull
     return out

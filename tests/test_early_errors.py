@@ -1,0 +1,75 @@
+"""Errors found early and in one line (issue 13, item 4): a tensor-parallel split that cuts
+quantization blocks, or an architecture without a tensor-parallel policy, fails right after the
+menus are known (no data, imatrix, precache or Fisher); a Q8_0-only menu at compression ratio
+1.0 works (the Fisher prior's knapsack no longer asks for a "resolution" no flag reaches); the
+in-process precache names the tensor holding NaN/Inf weights."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from test_cli_errors import SMALL, error_line, nothing_written
+from test_pipeline import run_cli, tiny_fixed  # noqa: F401  (fixture)
+
+
+def test_tp_split_cutting_blocks_fails_before_data(tiny_fixed, tmp_path):  # noqa: F811
+    # hidden 256: attn_output's 256 columns split 2 ways are 128-column shards, which cut
+    # the 256-weight blocks of the K-quants in the default menus
+    out = tmp_path / "run"
+    rc, _, err = run_cli(["tp", "--nproc", "2", "--", "--model", str(tiny_fixed),
+                          "--output_dir", str(out), "--seq_len", "64", "--n_train_blocks", "8"])
+    line = error_line(rc, err, "tp")
+    assert "--tensor_parallel 2" in line and ".weight" in line and "block size 256" in line, line
+    assert "use tensor parallel 1" in line and "drop that type" in line, line
+    nothing_written(out)
+
+
+def test_tp_without_adapter_points_to_device_map(tmp_path):
+    from voodoo.llamacpp import LlamaCppNotBuilt, source_dir
+    try:
+        source_dir()
+    except LlamaCppNotBuilt as e:
+        pytest.skip(str(e))
+    from zoo import make_tiny
+    model = make_tiny("qwen3")
+    out = tmp_path / "run"
+    rc, _, err = run_cli(["tp", "--nproc", "2", "--", "--model", str(model),
+                          "--output_dir", str(out), "--candidate_types", "Q8_0,Q4_0"])
+    line = error_line(rc, err, "tp")
+    assert "no tensor-parallel policy" in line and "--device_map" in line, line
+    nothing_written(out)
+
+
+def test_knapsack_exact_fit():
+    """Sizes that fill the budget exactly (a one-type menu at ratio 1.0) overflow once rounded
+    up to the DP's units; the choice must still be found (it used to say 'raise resolution')."""
+    from voodoo.sensitivity import fisher_gate_logits, knapsack_choice
+    dist = {f"t{i}": [0.0] for i in range(50)}
+    nbytes = {f"t{i}": [1_000_003 + i] for i in range(50)}
+    budget = sum(v[0] for v in nbytes.values())
+    assert knapsack_choice(dist, nbytes, budget) == {n: 0 for n in dist}
+    assert set(fisher_gate_logits(dist, nbytes, budget)) == set(dist)
+
+
+def test_q8_0_only_at_ratio_one_trains(tiny_fixed, tmp_path):  # noqa: F811
+    out = tmp_path / "run"
+    rc, so, err = run_cli(["train", "--model", str(tiny_fixed), "--output_dir", str(out),
+                           *SMALL, "--candidate_types", "Q8_0", "--compression_ratio", "1.0"])
+    assert rc == 0, err[-3000:]
+    assert "resolution" not in err
+    (asg,) = out.glob("*.assignment.json")
+    import json
+    a = json.loads(asg.read_text())
+    assert {t["type"] for t in a["tensors"].values()} == {"Q8_0"}
+    assert a["total_bytes"] == a["budget_bytes"]
+
+
+def test_no_ray_precache_names_the_nonfinite_tensor(tmp_path):
+    from voodoo.candidates import CandidateCache, CandidateJob, precache_local
+    w = np.random.default_rng(0).standard_normal((8, 64)).astype(np.float32)
+    w[3, 9] = np.inf
+    with pytest.raises(ValueError, match=r"blk\.1\.attn_v\.weight: 1 NaN/Inf weights \(first "
+                                         r"at row 3, column 9\)"):
+        precache_local([CandidateJob("blk.1.attn_v.weight", w, "Q8_0", None)],
+                       CandidateCache(tmp_path), progress=False)

@@ -1,0 +1,111 @@
+"""A run folder reused for another model (issue 13, item 1): every artifact records what it was
+made from (``provenance.json``), and no stage consumes one made from other inputs. A training
+journal of another model is refused before any expensive stage, naming both models; an
+imatrix of another model is rebuilt, and the log says so; stock files are quantized again."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from test_cli_errors import error_line
+from test_pipeline import run_cli, tiny_fixed  # noqa: F401  (fixture)
+from voodoo.fsutil import sha256_file
+
+SMALL = ["--seq_len", "64", "--n_train_blocks", "8", "--n_eval_blocks", "2",
+         "--imatrix_blocks", "4", "--no_ray", "--max_steps", "1"]
+
+
+@pytest.fixture(scope="module")
+def tiny_other(tiny_fixed) -> Path:  # noqa: F811
+    """A second tiny llama, same shapes and tokenizer, other weights (seed 1)."""
+    from voodoo.models import make_tiny_model
+    return make_tiny_model(tiny_fixed.parent / "tiny-llama-s1", seed=1)
+
+
+def test_unit_records(tmp_path):
+    from voodoo import provenance as pv
+    (tmp_path / "a.bin").write_bytes(b"x")
+    assert pv.check(tmp_path, "missing.bin", {"model": "m"}) is None
+    assert pv.check(tmp_path, "a.bin", {"model": "m"}) == ["origin unknown"]
+    pv.record(tmp_path, "a.bin", {"model": "m", "tokens": "t"})
+    assert pv.check(tmp_path, "a.bin", {"model": "m", "tokens": "t"}) == []
+    assert pv.check(tmp_path, "a.bin", {"model": "n", "tokens": "t"}) == ["model"]
+    assert pv.tokens_sha256([[1, 2]]) != pv.tokens_sha256([[1, 3]])
+    # the base GGUF's hash is remembered beside it, keyed by size and mtime
+    assert pv.file_sha256(tmp_path / "a.bin") == sha256_file(tmp_path / "a.bin")
+    assert (tmp_path / "a.bin.sha256").read_text().split()[2] == sha256_file(tmp_path / "a.bin")
+
+
+def test_second_model_in_the_same_folder(tiny_fixed, tiny_other, tmp_path):  # noqa: F811
+    out = tmp_path / "run"
+    rc, so, se = run_cli(["train", "--model", str(tiny_fixed), "--output_dir", str(out), *SMALL])
+    assert rc == 0, se[-3000:]
+    im1 = sha256_file(out / "imatrix.gguf")
+    journal = out / "train" / "partial.pt"
+    j1 = sha256_file(journal)
+    man = json.loads((out / "provenance.json").read_text())
+    assert man["imatrix.gguf"]["model"].startswith("tiny-llama-s0@sha256:")
+    assert man["train/partial.pt"]["model"] == man["imatrix.gguf"]["model"]
+
+    # model 2, same folder: M1's journal is refused, naming both models and the way out,
+    # before the data/imatrix/candidate stages (nothing changed)
+    rc, so, se = run_cli(["train", "--model", str(tiny_other), "--output_dir", str(out), *SMALL])
+    line = error_line(rc, se)
+    assert "tiny-llama-s0" in line and "tiny-llama-s1" in line, line
+    assert "partial.pt" in line and "--output_dir" in line and "delete" in line, line
+    assert sha256_file(out / "imatrix.gguf") == im1 and sha256_file(journal) == j1
+    assert not list(out.glob("tiny-llama-s1.*"))
+
+    # the way out taken (journal deleted): M1's imatrix is not reused but rebuilt, and the log
+    # says so; the new assignment and journal record model 2
+    journal.unlink()
+    rc, so, se = run_cli(["train", "--model", str(tiny_other), "--output_dir", str(out), *SMALL])
+    assert rc == 0, se[-3000:]
+    assert "imatrix.gguf was not made for this run (model tiny-llama-s0" in se, se[-3000:]
+    assert "rebuilding it" in se
+    assert sha256_file(out / "imatrix.gguf") != im1
+    man = json.loads((out / "provenance.json").read_text())
+    assert man["imatrix.gguf"]["model"].startswith("tiny-llama-s1@sha256:")
+    assert man["train/partial.pt"]["model"] == man["imatrix.gguf"]["model"]
+    assert man["train/partial.pt"]["imatrix"] == sha256_file(out / "imatrix.gguf")
+    (asg,) = out.glob("tiny-llama-s1.*.assignment.json")
+    assert json.loads(asg.read_text())["provenance"]["model"] == man["imatrix.gguf"]["model"]
+
+    # voodoo export of M1's assignment with model 2 is refused
+    (asg1,) = out.glob("tiny-llama-s0.*.assignment.json")
+    rc, so, se = run_cli(["export", "--model", str(tiny_other), "--output_dir", str(out),
+                          "--assignment", str(asg1), "--no_ray"])
+    if "provenance" in json.loads(asg1.read_text()):
+        line = error_line(rc, se, "export")
+        assert "tiny-llama-s0" in line and "tiny-llama-s1" in line, line
+
+
+def test_stock_file_requantized_for_another_imatrix(tiny_prepared, tmp_path):
+    """runner.stock_file reuses a stock GGUF only when made from the same base and imatrix."""
+    import numpy as np
+
+    from voodoo.imatrix import write_imatrix_gguf
+    from voodoo.llamacpp import LlamaCppNotBuilt, tool_path
+    from voodoo.runner import stock_file
+    try:
+        tool_path("llama-quantize")
+    except LlamaCppNotBuilt as e:
+        pytest.skip(str(e))
+    from gguf import GGUFReader
+    names = {t.name: int(t.shape[0]) for t in GGUFReader(str(tiny_prepared.base_gguf)).tensors
+             if len(t.shape) == 2}
+    ims = []
+    for k in range(2):
+        rng = np.random.default_rng(k)
+        sums = {n: (rng.random(w) + 0.01).astype(np.float32) * 4 for n, w in names.items()}
+        ims.append(write_imatrix_gguf(tmp_path / f"im{k}.gguf", sums, {n: 4 for n in names},
+                                      datasets=["t"], chunk_count=4, chunk_size=64))
+    f = stock_file(tiny_prepared.base_gguf, "Q4_K_M", tmp_path / "im0.gguf", tmp_path / "s")
+    b0, t0 = sha256_file(f), f.stat().st_mtime_ns
+    assert stock_file(tiny_prepared.base_gguf, "Q4_K_M", tmp_path / "im0.gguf",
+                      tmp_path / "s").stat().st_mtime_ns == t0  # same inputs: reused
+    f = stock_file(tiny_prepared.base_gguf, "Q4_K_M", tmp_path / "im1.gguf", tmp_path / "s")
+    assert f.stat().st_mtime_ns != t0 and sha256_file(f) != b0
