@@ -96,6 +96,9 @@ def test_run_writes_every_stage(tiny_run):
               out / "eval" / "timing.json"):
         assert p.is_file(), p
     assert not list(out.glob(".*partial*")), "temporary files left behind"
+    # the pre-flight check ran before training: llama.cpp on the F32 GGUF == transformers
+    pre = json.loads((out / "preflight.json").read_text())
+    assert pre["ok"] and pre["kld_mean"] < 1e-3 and pre["same_top_p"] > 0.99, pre
     rows = json.loads((out / "eval" / "report.json").read_text())
     assert [r["file"] for r in rows] == ["Voodoo"]
     # the default gate init is the Fisher knapsack; its report covers every tensor and its
