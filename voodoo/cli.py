@@ -976,8 +976,9 @@ def _check_tp_early(r) -> None:
     why = problem(tp)
     if why:
         works = next(k for k in range(tp - 1, 0, -1) if problem(k) is None)
+        drop = ", or drop that type from the menus" if "block size" in why else ""
         raise UsageError(f"--tensor_parallel {tp}: {why}; use tensor parallel {works} (voodoo "
-                         f"tp --nproc {works}), or drop that type from the menus")
+                         f"tp --nproc {works}){drop}")
 
 
 def _check_journal_early(train_dir: Path) -> None:
