@@ -51,6 +51,8 @@ class BigLlamaFactory:
     tokens: int = 8192
     n_blocks: int = 4
     seed: int = 0
+    lazy: bool = False
+    checkpointing: bool = False
 
     def config(self):
         from transformers import LlamaConfig
@@ -68,6 +70,8 @@ class BigLlamaFactory:
         return m.eval()
 
     def __call__(self, info):
+        if self.lazy:
+            return self.lazy_job(info)
         from cluster.train import StudentJob
         from voodoo.arch import get_adapter
         from voodoo.gates import install_gates
@@ -92,8 +96,88 @@ class BigLlamaFactory:
         install_gates(model, specs, cands, nbytes, menus={s.gguf_name: types for s in specs})
         blocks = torch.randint(0, self.vocab, (self.n_blocks, self.tokens),
                                generator=torch.Generator().manual_seed(self.seed + 2))
+        _maybe_checkpoint(model, self.checkpointing)
         return StudentJob(student=model, teacher=teacher, train_blocks=blocks, specs=specs,
                           n_head=self.heads, n_head_kv=self.kv_heads)
+
+    def lazy_job(self, info):
+        """The ``--lazy`` student: each selectable weight's K candidates held as ggml bytes
+        (well-formed random blocks of each type: speed and memory do not depend on the
+        values), mixed by :class:`voodoo.lazy.QuantizedCandidates` through
+        :func:`voodoo.gates.mix_weight` before each forward (what :class:`voodoo.gates.ParamGates`
+        does, without a tensor map: a Llama's GGUF layout is its HF layout up to a row
+        permutation, which costs nothing here)."""
+        import sys
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from lazy_candidates import _random_blocks
+
+        from cluster.train import StudentJob
+        from voodoo.arch import get_adapter
+        from voodoo.gates import MixedWeight
+        from voodoo.lazy import QuantizedCandidates
+        from voodoo.quants import tensor_nbytes
+        dev = info.device if info is not None else DEV
+        model = self.base(dev)
+        teacher = copy.deepcopy(model)
+        specs = get_adapter(model.config).selectable(model)
+        types = ["Q8_0", "Q6_K", "Q5_K", "Q4_K", "IQ4_XS", "IQ3_S", "IQ2_S", "IQ1_S"][: self.k]
+        g = torch.Generator(device=dev).manual_seed(self.seed + 1)
+        mixed = {}
+        for s in specs:
+            qc = QuantizedCandidates([_random_blocks(t, *s.shape, dev, g) for t in types], types,
+                                     s.shape)
+            mw = MixedWeight(torch.empty(self.k, 0, 0, device=dev),
+                             [tensor_nbytes(t, *s.shape) for t in types], s.gguf_name, types)
+            mw.store = qc
+            mixed[s.gguf_name] = (mw, model.get_submodule(s.module_name))
+        model.voodoo_gates = _BenchGates(model, mixed)
+        for p in model.parameters():
+            p.requires_grad_(False)
+        for mw, _ in mixed.values():
+            mw.logits.requires_grad_(True)
+        _maybe_checkpoint(model, self.checkpointing)
+        blocks = torch.randint(0, self.vocab, (self.n_blocks, self.tokens),
+                               generator=torch.Generator().manual_seed(self.seed + 2))
+        return StudentJob(student=model, teacher=teacher, train_blocks=blocks, specs=specs,
+                          n_head=self.heads, n_head_kv=self.kv_heads)
+
+
+class _BenchGates(torch.nn.Module):
+    """Gates whose weights are recomputed before each forward (a root forward pre-hook): every
+    module's ``weight`` (both modules of the tied embedding) becomes the differentiable mixture
+    :func:`voodoo.gates.mix_weight` in bf16; the Parameters are dropped."""
+
+    def __init__(self, model, mixed):
+        super().__init__()
+        from voodoo.gates import _key
+        self.mixed = torch.nn.ModuleDict({_key(n): mw for n, (mw, _) in mixed.items()})
+        owners = {}
+        for mod in model.modules():
+            for attr, p in list(mod._parameters.items()):
+                if p is not None:
+                    owners.setdefault(id(p), []).append((mod, attr))
+        self._plan = []
+        for n, (mw, mod) in mixed.items():
+            own = owners[id(mod.weight)]
+            for m, attr in own:
+                del m._parameters[attr]
+            self._plan.append((_key(n), own))
+        self._hook = model.register_forward_pre_hook(lambda m, a: self.assemble())
+        with torch.no_grad():
+            self.assemble()
+
+    def assemble(self):
+        from voodoo.gates import mix_weight
+        for key, own in self._plan:
+            w = mix_weight(self.mixed[key], torch.bfloat16)
+            for m, attr in own:
+                setattr(m, attr, w)
+
+
+def _maybe_checkpoint(model, on: bool):
+    if on:
+        from voodoo.train import enable_checkpointing
+        enable_checkpointing(model)
 
 
 DEV = "cuda"
@@ -125,14 +209,14 @@ def _time(fn, n, warmup=2):
 
 
 def single_gpu(f: BigLlamaFactory, n: int) -> dict:
-    from voodoo.budget import budget_bytes
-    from voodoo.gates import gate_parameters, model_expected_bytes
-    from voodoo.train import TrainConfig, train_step
+    """Plain bf16 forward+backward, then the eager and/or lazy student (``f.lazy``): gated
+    forward+backward and a whole gate-training step, ms, peak GiB and ratios to plain."""
     ids = torch.randint(0, f.vocab, (1, f.tokens), device=DEV)
     out = {"tokens": f.tokens, "k": f.k}
 
     # plain bf16 forward + backward with weight gradients
     plain = f.base(DEV).train()
+    _maybe_checkpoint(plain, f.checkpointing)
     for p in plain.parameters():
         p.requires_grad_(True)
 
@@ -148,20 +232,53 @@ def single_gpu(f: BigLlamaFactory, n: int) -> dict:
     del plain
     if DEV == "cuda":
         torch.cuda.empty_cache()
+    print(json.dumps(out), flush=True)
+    for lazy in ((False, True) if f.lazy == "both" else (bool(f.lazy),)):
+        fl = copy.copy(f)
+        fl.lazy = lazy
+        res = {}
+        try:
+            _gated(fl, n, ids, out["plain_ms"], res)
+        except torch.OutOfMemoryError as e:  # report what was measured, and where it ran out
+            res["oom"] = str(e).split("\n")[0][:300]
+        out.update({(f"lazy_{k}" if lazy else k): v for k, v in res.items()})
+        print(json.dumps(res), flush=True)
+        if DEV == "cuda":
+            torch.cuda.empty_cache()
+    return out
+
+
+def _gated(f, n, ids, plain_ms, out):
+    """The student's figures into ``out`` as they are measured."""
+    from voodoo.budget import budget_bytes
+    from voodoo.gates import gate_parameters, model_expected_bytes
+    from voodoo.train import TrainConfig, train_step
+    if DEV == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
 
     job = f(None)
     student, teacher = job.student.train(), job.teacher
     params = gate_parameters(student)
+    out["build_s"] = time.perf_counter() - t0
+    if DEV == "cuda":
+        out["held_gib"] = torch.cuda.memory_allocated() / 2**30
+        out["build_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    t0 = time.perf_counter()
 
     def gated_step():
         logits = student(ids).logits
         loss = F.cross_entropy(logits[0, :-1].float(), ids[0, 1:])
         loss.backward()
+    gated_step()  # first call (compiles the lazy tiles)
+    if DEV == "cuda":
+        torch.cuda.synchronize()
+    out["first_step_s"] = time.perf_counter() - t0
     if DEV == "cuda":
         torch.cuda.reset_peak_memory_stats()
     out["gated_ms"] = _time(gated_step, n)
     out["gated_peak_gib"] = (torch.cuda.max_memory_allocated() / 2**30 if DEV == "cuda" else 0.0)
-    out["ratio_gated_over_plain"] = out["gated_ms"] / out["plain_ms"]
+    out["ratio_gated_over_plain"] = out["gated_ms"] / plain_ms
 
     cfg = TrainConfig(compression_ratio=0.5, max_steps=1000, seq_len=f.tokens, batch_size=1,
                       device=DEV, dtype="bfloat16", compile=False)
@@ -179,9 +296,10 @@ def single_gpu(f: BigLlamaFactory, n: int) -> dict:
         torch.cuda.reset_peak_memory_stats()
     out["step_ms"] = _time(full_step, n)
     out["step_peak_gib"] = (torch.cuda.max_memory_allocated() / 2**30 if DEV == "cuda" else 0.0)
-    out["ratio_step_over_plain"] = out["step_ms"] / out["plain_ms"]
+    out["ratio_step_over_plain"] = out["step_ms"] / plain_ms
     out["step_tokens_per_s"] = f.tokens / out["step_ms"] * 1e3
-    out["expected_gib"] = float(model_expected_bytes(student)) / 2**30
+    out["expected_gib"] = float(model_expected_bytes(student).detach()) / 2**30
+    del job, student, teacher, opt, params
     return out
 
 
@@ -283,6 +401,11 @@ def main():
     ap.add_argument("--single", action="store_true", help="plain vs gated vs step on cuda:0")
     ap.add_argument("--lazy_ops", action="store_true",
                     help="candidate mix/dots: dense bf16 (eager) vs ggml bytes (lazy)")
+    ap.add_argument("--lazy", choices=["off", "on", "both"], default="off",
+                    help="--single: the eager student (off), the lazy one (on: candidates as "
+                         "ggml bytes, voodoo.lazy) or both, one after the other")
+    ap.add_argument("--gradient_checkpointing", action="store_true",
+                    help="per decoder layer, for the plain baseline and the students alike")
     ap.add_argument("--ray", action="store_true", help="TorchTrainer, one GPU worker")
     ap.add_argument("--tp", type=int, default=0, help="TorchTrainer tensor parallel N")
     ap.add_argument("--device_map", default=None, help="TorchTrainer layer-wise, one worker")
@@ -293,7 +416,8 @@ def main():
     global DEV
     DEV = a.device
     f = BigLlamaFactory(a.hidden, a.intermediate, a.layers, a.heads, a.kv_heads, a.vocab, a.k,
-                        a.tokens)
+                        a.tokens, lazy={"off": False, "on": True, "both": "both"}[a.lazy],
+                        checkpointing=a.gradient_checkpointing)
     results = {"device": torch.cuda.get_device_name(0) if DEV == "cuda" else "cpu",
                "shape": vars(a)}
     if a.single:
