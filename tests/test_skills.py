@@ -157,7 +157,8 @@ def cli_parsers() -> dict[str, argparse.ArgumentParser]:
     finally:
         argparse.ArgumentParser.parse_args, argparse.ArgumentParser.parse_known_args = saved
     for ap in got.values():
-        ap.allow_abbrev = False  # skills spell flags in full: an abbreviation breaks when a flag is added
+        # skills spell flags in full: an abbreviation breaks once a flag with its prefix is added
+        ap.allow_abbrev = False
     return got
 
 
@@ -269,7 +270,8 @@ def test_checker_fails_on_a_renamed_flag(parsers):
             "  voodoo train --ray --use_gpu --storage_path /mnt/s --run_name r\n"
             "```\n")
     assert check_skill_text(good, parsers) == []
-    for old, new, why in (("--compression_ratio 0.55", "--compression_rate 0.55", "--compression_rate"),
+    for old, new, why in (("--compression_ratio 0.55", "--compression_rate 0.55",
+                           "--compression_rate"),
                           ("--compression_ratio 0.55", "--compression 0.55", "--compression"),
                           ("voodoo train --model", "voodoo trian --model", "unknown command"),
                           ("--nproc 4", "--nproc four", "invalid int"),
@@ -382,7 +384,8 @@ def test_skills_run_on_the_tiny_model(tiny_fixed_model, tmp_path):
     log = (tmp_path / "export-and-reproduce-with-llama-quantize.log").read_text()
     m = re.search(r"(\d+) of (\d+) tensors byte-identical to llama-quantize", log)
     assert m and m.group(1) == m.group(2) and int(m.group(1)) > 10, log[-2000:]
-    rows = {Path(r["file"]).name: r for r in json.loads((out / "eval" / "compare.json").read_text())}
+    report = json.loads((out / "eval" / "compare.json").read_text())
+    rows = {Path(r["file"]).name: r for r in report}
     ours, stock = rows[f"{stem}.gguf"], rows["stock.Q4_K_M.gguf"]
     assert 0 <= ours["kld"] < 0.05 and 0 <= stock["kld"] < 0.05, rows
     assert ours["size_mib"] < stock["size_mib"], rows   # 0.55 x Q8_0 < Q4_K_M on this model
