@@ -154,11 +154,11 @@ def test_sigkilled_sweep_leaves_no_ray_behind_and_resumes(tmp_path):
     p = subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, text=True)
     try:
-        deadline = time.time() + 150
+        deadline = time.time() + 600   # generous: CI's machine may be loaded
         while not _final_trials(storage / "killed") and time.time() < deadline:
             assert p.poll() is None, p.stdout.read()[-3000:]
             time.sleep(0.3)
-        assert _final_trials(storage / "killed"), "no trial finished in 150 s"
+        assert _final_trials(storage / "killed"), "no trial finished in 600 s"
         time.sleep(3)  # past TUNE_GLOBAL_CHECKPOINT_S (2 s): Tune saved the finished trial
         ray_procs = [c for c in psutil.Process(p.pid).children(recursive=True) if _is_ray(c)]
         assert any(c.name() == "raylet" for c in ray_procs)
@@ -167,20 +167,20 @@ def test_sigkilled_sweep_leaves_no_ray_behind_and_resumes(tmp_path):
         if p.poll() is None:
             p.kill()
         p.wait()
-    gone_by = time.time() + 20
+    gone_by = time.time() + 60
     while time.time() < gone_by:
         alive = [c for c in ray_procs if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
         if not alive:
             break
         time.sleep(0.5)
-    assert not alive, f"Ray processes alive 20 s after SIGKILL: {[c.name() for c in alive]}"
+    assert not alive, f"Ray processes alive 60 s after SIGKILL: {[c.name() for c in alive]}"
 
     from ray import tune
     done, total = _progress(tune.Tuner.restore(str(storage / "killed"), _trial).get_results(), 3)
     assert 1 <= done < 3 and total == 3
     before = len(calls.read_text().splitlines())
     out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True,
-                         text=True, timeout=300).stdout
+                         text=True, timeout=900).stdout
     assert f"resuming sweep killed ({storage / 'killed'}): {done} of 3 trials finished" in out
     assert "SWEEP_DONE" in out
     assert len(calls.read_text().splitlines()) - before == 3 - done
