@@ -300,4 +300,5 @@ def test_sigint_during_cli_export_leaves_no_file(tiny_fixed, tmp_path):  # noqa:
     assert "voodoo export: interrupted" in err and "Traceback" not in err
     assert not (out / "x.gguf").exists()
     left = sorted(p.name for p in out.iterdir())
-    assert left == ["data", "imatrix.gguf"], left  # the stages before export, nothing of it
+    # the stages before export (and the run folder's provenance record), nothing of it
+    assert left == ["data", "imatrix.gguf", "provenance.json"], left
