@@ -104,7 +104,7 @@ def ensure_ray(**init_kwargs) -> bool:
     return True
 
 
-def watch(pid: int, interval: float = 0.5, grace: float = 3.0) -> int:
+def watch(pid: int, interval: float = 0.2, grace: float = 3.0) -> int:
     """Follows the process tree of ``pid`` until ``pid`` ends, then stops what was last seen in
     it (SIGTERM, SIGKILL after ``grace`` seconds). Returns the number of processes stopped."""
     import psutil
@@ -130,6 +130,15 @@ def watch(pid: int, interval: float = 0.5, grace: float = 3.0) -> int:
                 except psutil.Error:
                     pass
         time.sleep(interval)
+    # the Ray processes' own children still alive now (e.g. a worker the raylet started after
+    # the last sample): taken too, so none is orphaned by the sampling interval
+    for p_id, t in list(seen.items()):
+        try:
+            for c in psutil.Process(p_id).children(recursive=True):
+                if c.pid != me and c.pid not in seen and _is_ray(c):
+                    seen[c.pid] = c.create_time()
+        except psutil.Error:
+            pass
     procs = []
     for p_id, t in seen.items():
         try:
