@@ -13,7 +13,7 @@ How each way of ending the driver treats them (Ray 2.60, measured):
   and exit within seconds, but the ``ray::DashboardAgent`` and ``ray::RuntimeEnvAgent``
   processes (children of the raylet) stay alive: still there a minute later, measured.
   :func:`ensure_ray` therefore starts a small **watchdog** process (``python -m
-  cluster.session watch PID``) that follows the driver's process tree every half second and,
+  cluster.session watch PID``) that follows the driver's process tree every 0.2 s and,
   once the driver is gone, sends SIGTERM, then SIGKILL after 3 s, to the processes it last saw
   in that tree (each checked by pid *and* start time, so a reused pid is never hit).
 
