@@ -349,6 +349,14 @@ def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
     setattr(parent, child, module)
 
 
+def _freeze_all_but_gates(model: nn.Module, mixed) -> None:
+    """Only the gate logits of ``mixed`` (MixedWeights) require grad afterwards."""
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for mw in mixed:
+        mw.logits.requires_grad_(True)
+
+
 def install_gates(model: nn.Module, specs, candidates: Mapping[str, torch.Tensor],
                   bytes_table: Mapping[str, Sequence[int]], *,
                   menus: Mapping[str, Sequence[str]] | None = None, init: str = "uniform",
@@ -405,10 +413,7 @@ def install_gates(model: nn.Module, specs, candidates: Mapping[str, torch.Tensor
     out = dict(sorted(out.items()))
     init_gates(out, init, init_bpw, init_strength)
     if freeze:
-        for p in model.parameters():
-            p.requires_grad_(False)
-        for mw in out.values():
-            mw.logits.requires_grad_(True)
+        _freeze_all_but_gates(model, out.values())
     return out
 
 
@@ -761,10 +766,7 @@ def install_param_gates(model: nn.Module, tmap, candidates: Mapping[str, torch.T
     model.voodoo_gates = gates
     init_gates(out, init, init_bpw, init_strength)
     if freeze:
-        for p in model.parameters():
-            p.requires_grad_(False)
-        for mw in out.values():
-            mw.logits.requires_grad_(True)
+        _freeze_all_but_gates(model, out.values())
     with torch.no_grad():
         gates.assemble()
     return out
