@@ -87,7 +87,7 @@ def _budget_flags(ap):
     ap.add_argument("--match_size", default=None,
                     help="aim the GGUF file at the size of a stock llama.cpp file type (e.g. "
                          "Q4_K_M: quantized by llama-quantize from the same base and imatrix) "
-                         "or at a number of bytes; the bake lands within 0.5%% of it")
+                         "or at a number of bytes; the file lands at or under it, within 0.5%%")
     ap.add_argument("--size_tolerance", type=float, default=0.005,
                     help="dead zone of the size penalty: no penalty while the expected size "
                          "is within this fraction of the budget")
@@ -662,10 +662,19 @@ class Run:
         if getattr(a, "ray", False):
             return self.train_ray(cfg)
         self.check_training_state("train/partial.pt", "training journal")
+        # --lazy with a Q8_0 teacher: the teacher's weights stay Q8_0 bytes (dequantized per
+        # module); the Fisher prior needs weight gradients, so it runs on a dense one first
+        lazy_teacher = bool(a.lazy) and a.teacher_quant.upper() == "Q8_0"
         with self.timer("teacher"):
             self.teacher = build_teacher(self.ctx, a.teacher_quant,
-                                         checkpoint=a.teacher_checkpoint)
+                                         checkpoint=a.teacher_checkpoint,
+                                         lazy=lazy_teacher and not self.needs_prior(cfg))
         init = self.gate_prior(cfg, self.teacher)
+        if lazy_teacher and not hasattr(self.teacher, "voodoo_quantized"):
+            self.teacher = None
+            with self.timer("teacher"):
+                self.teacher = build_teacher(self.ctx, a.teacher_quant,
+                                             checkpoint=a.teacher_checkpoint, lazy=True)
         with self.timer("student"):
             from .train import torch_dtype
             self.mixed = build_student(self.ctx, self.menus, self.keys, self.cache,
@@ -682,6 +691,11 @@ class Run:
             self.assignment = None
             return None
         return self.bake_and_write(res.gates, self.budget)
+
+    def needs_prior(self, cfg) -> bool:
+        """Whether :meth:`gate_prior` will compute the Fisher prior."""
+        from .train import JOURNAL_NAME
+        return cfg.gate_init == "fisher" and not (self.out / "train" / JOURNAL_NAME).exists()
 
     def gate_prior(self, cfg, teacher):
         """``--gate_init fisher``: the starting logits (:func:`voodoo.pipeline.fisher_prior`),
@@ -708,7 +722,9 @@ class Run:
         a = self.a
         init = None
         use_gpu = bool(a.use_gpu or str(a.device).startswith("cuda"))
-        if cfg.gate_init == "fisher" and not use_gpu:  # GPU workers compute it on their GPU
+        # GPU workers compute it on their GPU, except for a lazy student (no dense candidates
+        # there to weigh): then the driver does, as on the CPU
+        if cfg.gate_init == "fisher" and (not use_gpu or a.lazy):
             from .pipeline import build_teacher
             init = self.gate_prior(cfg, build_teacher(self.ctx, a.teacher_quant,
                                                       checkpoint=a.teacher_checkpoint))
@@ -742,8 +758,10 @@ class Run:
         from .pipeline import bake_assignment, write_json
         a = self.a
         with self.timer("bake"):
-            self.assignment = bake_assignment(gates, self.menus, self.table, budget,
-                                              a.tensor_upgrades, tolerance=0.005)
+            # --match_size: the target file is a ceiling (at or under it, within 0.5%)
+            self.assignment = bake_assignment(
+                gates, self.menus, self.table, budget, a.tensor_upgrades, tolerance=0.005,
+                ceiling_ref=getattr(self, "target_file_bytes", None))
             self.stem = _stem(self.ctx, a, self.assignment)
             from .llamacpp import llama_cpp_commit
             self.assignment["model"] = str(Path(_model_arg(a)).resolve()) \

@@ -30,8 +30,8 @@ import torch
 from .dequant import compile_recompile_limit, dequantize, exact_compile_options, warm_tables
 from .quants import qtype
 
-__all__ = ["QuantizedCandidates", "LazyMix", "lazy_mix", "predict_memory", "format_memory",
-           "DEFAULT_TILE_ELEMENTS",
+__all__ = ["QuantizedCandidates", "LazyMix", "lazy_mix", "QuantizedParams", "predict_memory",
+           "format_memory", "DEFAULT_TILE_ELEMENTS",
            "DEFAULT_COMPILED_TILE_ELEMENTS"]
 
 #: Weights per tile (rows x n_per_row, rounded to whole rows) on the eager path: ~4 Mi weights
@@ -336,6 +336,136 @@ def lazy_mix(cands: QuantizedCandidates, probs: torch.Tensor,
              dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Differentiable :meth:`QuantizedCandidates.mix` (see :class:`LazyMix`)."""
     return LazyMix.apply(cands, probs, dtype)
+
+
+# ------------------------------------------------------------ frozen quantized weights
+class QuantizedParams(torch.nn.Module):
+    """Frozen HF parameters held as ggml bytes and dequantized on the fly, one module call at a
+    time: the ``--teacher_quant Q8_0`` teacher with ``--lazy``.
+
+    Every HF parameter that a GGUF tensor of ``tmap`` reads stops being a Parameter. Each module
+    that owns one gets a forward pre-hook that rebuilds it from the bytes (:meth:`
+    QuantizedCandidates.dense` of a K = 1 store: libggml's ``to_float`` bits, then the tensor
+    map's inverse placement, :func:`voodoo.gates.assemble_param`, in the parameter's dtype) and
+    a forward hook that drops it again, so at most one module's dequantized weights exist at a
+    time (a tied embedding is rebuilt for each of its two modules). Between calls the attribute
+    is a one-element tensor expanded to the parameter's shape (shape, dtype and device queries
+    still work). The values are exactly those :func:`voodoo.gates.write_gguf_into_params`
+    writes from the same bytes dequantized by libggml (the dense Q8_0 teacher).
+
+    No gradient reaches the bytes (the weights are rebuilt under ``no_grad``): for a teacher
+    run under ``no_grad``, not for a Fisher pass that needs weight gradients. The modules must
+    read their weights inside their own ``forward`` (true of ``nn.Linear``/``nn.Embedding``
+    and of transformers' fused expert modules).
+
+    Attach with ``model.voodoo_quantized = QuantizedParams(model, tmap, stores)`` so that
+    ``model.to(device)`` moves the bytes. ``stores``: gguf_name -> a K = 1
+    :class:`QuantizedCandidates` of the tensor's 2-D shape. ``nbytes``: bytes held.
+    """
+
+    def __init__(self, model: torch.nn.Module, tmap, stores):
+        super().__init__()
+        import numpy as np
+
+        from .gates import _key
+        from .tensormap import row_view
+        self.stores = torch.nn.ModuleDict({_key(n): s for n, s in stores.items()})
+        self.base = torch.nn.Module()
+        owners: dict[int, list] = {}
+        for mod in model.modules():
+            for attr, p in list(mod._parameters.items()):
+                if p is not None:
+                    owners.setdefault(id(p), []).append((mod, attr))
+        params = dict(model.named_parameters(remove_duplicate=True))
+        self._entries: list[list] = []  # [pname, shape, transpose, dtype, links, full, simple]
+        self._by_module: dict[int, tuple[torch.nn.Module, list[tuple[str, int]]]] = {}
+        for pname, links in tmap.by_param().items():
+            if pname not in params:
+                raise ValueError(f"the tensor map reads {pname!r}, which the model does not "
+                                 "have (a map derived for another model)")
+            for e, _ in links:
+                if e.gguf_name not in stores:
+                    raise ValueError(f"no quantized bytes for {e.gguf_name}")
+            p = params[pname]
+            transposes = {lk.transpose for _, lk in links}
+            if len(transposes) != 1:
+                raise ValueError(f"{pname}: read both transposed and not by the GGUF tensors "
+                                 f"{sorted({e.gguf_name for e, _ in links})}")
+            t = transposes.pop()
+            view = row_view(p.detach(), t)
+            covered = np.zeros(view.shape[0], bool)
+            full_cols = True
+            for e, lk in links:
+                covered[lk.p_rows] = True
+                if lk.cols is not None and lk.cols.size != view.shape[1]:
+                    full_cols = False
+            full = bool(covered.all()) and full_cols
+            if not full:
+                self.base.register_buffer(_key(pname), view.clone(), persistent=False)
+            simple = (len(links) == 1 and full and links[0][1].cols is None and
+                      links[0][1].scale is None and
+                      np.array_equal(links[0][1].p_rows, np.arange(view.shape[0])) and
+                      np.array_equal(links[0][1].g_rows, np.arange(links[0][0].n_rows)))
+            i = len(self._entries)
+            self._entries.append([pname, tuple(p.shape), t, p.dtype,
+                                  [(e.gguf_name, lk) for e, lk in links], full, simple])
+            for mod, attr in owners[id(p)]:
+                del mod._parameters[attr]
+                setattr(mod, attr, self._placeholder(i, p.device))
+                self._by_module.setdefault(id(mod), (mod, []))[1].append((attr, i))
+        self._hooks = []
+        for mod, _ in self._by_module.values():
+            self._hooks.append(mod.register_forward_pre_hook(self._load))
+            self._hooks.append(mod.register_forward_hook(self._drop))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of ggml data held."""
+        return sum(s.nbytes for s in self.stores.values())
+
+    @property
+    def device(self) -> torch.device:
+        return next(iter(self.stores.values())).device
+
+    def _placeholder(self, i: int, device) -> torch.Tensor:
+        _, shape, _, dtype, *_ = self._entries[i]
+        return torch.zeros((), dtype=dtype, device=device).expand(shape)
+
+    def _apply(self, fn, recurse=True):
+        # model.to(dtype) / .half(): the rebuilt weights follow (the bytes stay uint8)
+        super()._apply(fn, recurse)
+        for e in self._entries:
+            e[3] = fn(torch.empty(0, dtype=e[3])).dtype
+        return self
+
+    @torch.no_grad()
+    def weight(self, i: int, device=None) -> torch.Tensor:
+        """Entry ``i``'s HF parameter rebuilt from the bytes (on ``device``, default the
+        bytes')."""
+        from .gates import _key, assemble_param
+        pname, shape, t, dtype, links, full, simple = self._entries[i]
+        dev = self.device
+
+        def get(g):
+            st = self.stores[_key(g)]
+            return st.dense(0, dtype if simple else torch.float32).reshape(st.shape2d)
+
+        base = None if full else getattr(self.base, _key(pname))
+        w = assemble_param(shape, t, links, get, base, dtype, dev, simple)
+        return w if device is None else w.to(device)
+
+    def _load(self, module, args):
+        dev = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
+        for attr, i in self._by_module[id(module)][1]:
+            setattr(module, attr, self.weight(i, dev))
+
+    def _drop(self, module, args, output):
+        for attr, i in self._by_module[id(module)][1]:
+            setattr(module, attr, self._placeholder(i, getattr(module, attr).device))
+
+    def dense_params(self) -> dict[str, torch.Tensor]:
+        """HF parameter name -> its rebuilt tensor (all at once: for checks, not training)."""
+        return {e[0]: self.weight(i) for i, e in enumerate(self._entries)}
 
 
 # ------------------------------------------------------------------ memory prediction

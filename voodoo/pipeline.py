@@ -456,11 +456,17 @@ def build_student_tp(ctx: Context, menus, keys, cache: CandidateCache, dtype=tor
 
 @torch.no_grad()
 def build_teacher(ctx: Context, teacher_quant: str = "BF16", keys=None, cache=None,
-                  imatrix=None, checkpoint=None):
+                  imatrix=None, checkpoint=None, lazy: bool = False):
     """The teacher for distillation: ``checkpoint`` (an HF folder) if given; else a copy of the
     base model whose selectable weights are rounded to ``BF16`` (computed in float32), or passed
     through Q8_0 by libggml (``Q8_0``). Call before :func:`build_student` (which replaces the
-    modules of ``ctx.model``)."""
+    modules of ``ctx.model``).
+
+    ``lazy`` with ``Q8_0``: the selectable weights stay as their Q8_0 bytes (libggml's
+    quantization, 34 bytes per 32 weights) in a :class:`voodoo.lazy.QuantizedParams`
+    (``teacher.voodoo_quantized``) and are dequantized module by module in each forward:
+    the same logits as the dense Q8_0 teacher, no weight gradients (not for the Fisher prior).
+    Ignored for BF16/F32 and a checkpoint."""
     import copy
 
     import cython_ggml as cg
@@ -478,6 +484,18 @@ def build_teacher(ctx: Context, teacher_quant: str = "BF16", keys=None, cache=No
         for pname in ctx.tmap.by_param():
             w = params[pname]
             w.copy_(w.to(torch.bfloat16).to(w.dtype))
+        return teacher
+    if lazy:
+        from .lazy import QuantizedCandidates, QuantizedParams
+        stores = {}
+        for s in ctx.specs:
+            g = ctx.tmap.to_gguf(s.gguf_name, {n: params[n].detach().float().cpu()
+                                               for n in s.params}).numpy()
+            q = cg.quantize(np.ascontiguousarray(g, dtype=np.float32), "Q8_0")
+            stores[s.gguf_name] = QuantizedCandidates([torch.from_numpy(q)], ["Q8_0"],
+                                                      tuple(s.shape))
+        del params
+        teacher.voodoo_quantized = QuantizedParams(teacher, ctx.tmap, stores)
         return teacher
     from .gates import write_gguf_into_params
     q8 = {}
@@ -563,10 +581,13 @@ def train(ctx: Context, teacher, train_blocks, cfg, out_dir, budget=None, **kw):
 
 
 def bake_assignment(gates, menus, table, budget, tensor_upgrades=None, tolerance=0.005,
-                    path=None) -> dict:
-    """:func:`voodoo.bake.bake`, saved as JSON at ``path`` (atomically) when given."""
+                    path=None, ceiling_ref=None) -> dict:
+    """:func:`voodoo.bake.bake`, saved as JSON at ``path`` (atomically) when given.
+    ``ceiling_ref`` (bytes): the budget is a ceiling and the total lands within
+    ``tolerance * ceiling_ref`` under it (``--match_size``)."""
     from .bake import bake
-    a = bake(gates, menus, table, budget, tensor_upgrades=tensor_upgrades, tolerance=tolerance)
+    a = bake(gates, menus, table, budget, tensor_upgrades=tensor_upgrades, tolerance=tolerance,
+             ceiling=ceiling_ref is not None, ceiling_ref=ceiling_ref)
     if path:
         write_json(path, a)
     return a
@@ -666,10 +687,14 @@ class StudentFactory:
         cache = CandidateCache(self.cache_dir) if self.cache_dir else CandidateCache()
         im = read_imatrix(self.imatrix) if self.imatrix else None
         keys = ensure_candidates(ctx, self.menus, im, cache, None)
-        teacher = build_teacher(ctx, self.teacher_quant, checkpoint=self.teacher_checkpoint)
         cfg = getattr(info, "cfg", None)
-        dtype = self.dtype or (cfg.dtype if cfg is not None else "float32")
         tp = int(getattr(info, "tp_size", 1) or 1)
+        # --lazy: a Q8_0 teacher held as its bytes too (one GPU / data parallel; the Fisher
+        # prior of a lazy run is computed by the driver, cli train_ray)
+        lazy_teacher = self.lazy and tp == 1 and self.teacher_quant.upper() == "Q8_0"
+        teacher = build_teacher(ctx, self.teacher_quant, checkpoint=self.teacher_checkpoint,
+                                lazy=lazy_teacher)
+        dtype = self.dtype or (cfg.dtype if cfg is not None else "float32")
         specs = legacy_specs(ctx) if tp > 1 else list(ctx.specs)
         if tp > 1:
             if self.lazy:
