@@ -167,3 +167,18 @@ def test_repair_keeps_a_big_tensor_the_gates_prefer():
     assert a["tensors"]["big"]["type"] == "Q8_0"
     assert [a["tensors"][s]["type"] for s in ("s1", "s2", "s3")] == ["Q4_0", "Q8_0", "Q8_0"]
     assert a["total_bytes"] == 1250
+
+
+@pytest.mark.parametrize("frac", [0.5, 0.7, 0.9])
+def test_ceiling_never_over_and_within_tolerance_under(frac):
+    """``ceiling=True`` (--match_size): total in [budget - tol * ref, budget], never over,
+    even when the argmax alone lands just over the budget."""
+    logits, menus, nbytes = synthetic()
+    full = sum(max(v) for v in nbytes.values())
+    budget = int(full * frac)
+    a = bake(logits, menus, nbytes, budget, ceiling=True, ceiling_ref=budget + 1000)
+    assert budget - 0.005 * (budget + 1000) <= a["total_bytes"] <= budget
+    arg = {n: int(torch.argmax(z)) for n, z in logits.items()}
+    b = sum(nbytes[n][k] for n, k in arg.items())
+    a = bake(logits, menus, nbytes, b - 1, ceiling=True)  # argmax is 1 byte over
+    assert b - 1 - 0.005 * (b - 1) <= a["total_bytes"] <= b - 1

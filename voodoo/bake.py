@@ -22,7 +22,9 @@ Three steps, all deterministic:
 
 Stated tolerance: the total never exceeds ``budget * (1 + tolerance)`` (default 0.5%), and
 lands at or above ``budget * (1 - tolerance)`` whenever the menus' granularity allows (with
-many tensors it does; a model of a few tiny tensors may end slightly lower).
+many tensors it does; a model of a few tiny tensors may end slightly lower). With
+``ceiling=True`` (``--match_size``: a file at or under a target) the window is
+``[budget - tolerance * ceiling_ref, budget]`` instead: never over the budget.
 """
 
 from __future__ import annotations
@@ -89,7 +91,7 @@ def _type_name(t) -> str:
 def bake(gate_logits: Mapping[str, Sequence[float] | torch.Tensor],
          menus: Mapping[str, Sequence], bytes_table: Mapping[str, Sequence[int]],
          budget: int, tensor_upgrades=None, tolerance: float = DEFAULT_TOLERANCE,
-         temperature: float = 1.0) -> dict:
+         temperature: float = 1.0, ceiling: bool = False, ceiling_ref: int | None = None) -> dict:
     """Chooses one type per tensor (see the module docstring for the rule).
 
     Args:
@@ -100,6 +102,10 @@ def bake(gate_logits: Mapping[str, Sequence[float] | torch.Tensor],
         tensor_upgrades: see :func:`parse_tensor_upgrades`.
         tolerance: relative; the total ends at most ``budget * (1 + tolerance)``.
         temperature: for the reported probs and the log-probabilities the repair ranks by.
+        ceiling: the budget is a hard ceiling: the window is ``[budget - tolerance *
+            ceiling_ref, budget]`` (``ceiling_ref``: bytes the tolerance is a fraction of,
+            default ``budget``; ``--match_size`` passes the target file's size so the file
+            lands within ``tolerance`` of it, never over).
 
     Returns the assignment (``docs/contracts.md``)::
 
@@ -149,8 +155,12 @@ def bake(gate_logits: Mapping[str, Sequence[float] | torch.Tensor],
                 lo[n] = cur[n]
 
     # 3. repair.
-    upper = budget * (1.0 + tolerance)
-    lower = budget * (1.0 - tolerance)
+    if ceiling:
+        upper = float(budget)
+        lower = budget - tolerance * (ceiling_ref or budget)
+    else:
+        upper = budget * (1.0 + tolerance)
+        lower = budget * (1.0 - tolerance)
     total = sum(nb[n][cur[n]] for n in names)
     full_lo = {n: 0 for n in names}
     full_hi = {n: len(menu[n]) - 1 for n in names}
