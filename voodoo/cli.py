@@ -14,6 +14,14 @@ from types import SimpleNamespace
 STANDARD_SIZES = tuple(range(25, 81, 5))
 
 
+def _cuda_peak(device) -> int | None:
+    """Peak bytes allocated by torch on a CUDA ``device`` (None elsewhere)."""
+    import torch
+    if str(device).startswith("cuda") and torch.cuda.is_available():
+        return int(torch.cuda.max_memory_allocated(torch.device(str(device))))
+    return None
+
+
 class UsageError(ValueError):
     """Bad input found by the CLI itself (reported as one line, exit code 2)."""
 
@@ -662,6 +670,7 @@ class Run:
         if getattr(a, "ray", False):
             return self.train_ray(cfg)
         self.check_training_state("train/partial.pt", "training journal")
+        self.memory_plan(cfg)
         # --lazy with a Q8_0 teacher: the teacher's weights stay Q8_0 bytes (dequantized per
         # module); the Fisher prior needs weight gradients, so it runs on a dense one first
         lazy_teacher = bool(a.lazy) and a.teacher_quant.upper() == "Q8_0"
@@ -685,12 +694,65 @@ class Run:
             res = train(self.ctx, self.teacher, self.train_blocks, cfg, self.out / "train",
                         budget=self.budget, stop_after=getattr(a, "stop_after", None),
                         init_logits=init)
+        self.print_memory(_cuda_peak(a.device))
         if not res.finished:
             print(f"stopped after {res.step} of {cfg.max_steps} steps; the journal is "
                   f"{self.out / 'train' / 'partial.pt'}; rerun the same command to continue")
             self.assignment = None
             return None
         return self.bake_and_write(res.gates, self.budget)
+
+    def memory_plan(self, cfg, decide: bool = True):
+        """Predicts the device memory of the training run from the config, the tensor map's
+        shapes and the menus (nothing is loaded on the device) and prints it; on a CUDA device
+        (``decide``) compares it with the device's free memory: switches to ``--lazy`` when
+        only the lazy candidates fit (one line says so), and fails before loading anything,
+        naming the flags that would fit, when the run does not fit
+        (:func:`voodoo.lazy.plan_memory`)."""
+        import torch
+
+        from .lazy import format_memory, plan_memory, predict_memory
+        from .train import torch_dtype
+        a = self.a
+        c = self.ctx.model.config
+        c = c.get_text_config() if hasattr(c, "get_text_config") else c
+        n_params = sum(p.numel() for p in self.ctx.model.parameters())
+        dtype = torch_dtype(a.dtype)
+        dense_teacher = {torch.float32: "F32"}.get(
+            next(self.ctx.model.parameters()).dtype, "BF16")
+        hidden = int(getattr(c, "hidden_size", 0) or 0)
+        kw = dict(n_params=n_params, n_layers=int(getattr(c, "num_hidden_layers", 0) or 0),
+                  hidden=hidden, vocab=int(getattr(c, "vocab_size", 0) or 0),
+                  intermediate=int(getattr(c, "intermediate_size", 0) or 4 * hidden),
+                  tokens=int(cfg.seq_len) * int(cfg.batch_size), dtype=dtype)
+
+        def predict(lazy, ckpt, q8):
+            return predict_memory(self.ctx.shapes, self.menus, lazy=lazy, checkpointing=ckpt,
+                                  teacher_quant="Q8_0" if (q8 and lazy) else dense_teacher,
+                                  **kw)
+
+        q8 = a.teacher_quant.upper() == "Q8_0" and not a.teacher_checkpoint
+        dev = str(a.device)
+        if decide and dev.startswith("cuda") and torch.cuda.is_available():
+            free = torch.cuda.mem_get_info(torch.device(dev))[0]
+            lazy, pred, note = plan_memory(predict, free, lazy=bool(a.lazy),
+                                           checkpointing=bool(a.gradient_checkpointing),
+                                           q8_teacher=q8, where=dev)
+            if note:
+                print(note)
+                a.lazy = True
+        else:
+            pred = predict(bool(a.lazy), bool(a.gradient_checkpointing), q8)
+        self.memory_prediction = pred
+        print(format_memory(pred))
+        return pred
+
+    def print_memory(self, peak: int | None):
+        """The prediction again, next to the measured peak (when there is one)."""
+        from .lazy import format_memory
+        pred = getattr(self, "memory_prediction", None)
+        if pred is not None and peak is not None:
+            print(format_memory(pred, peak))
 
     def needs_prior(self, cfg) -> bool:
         """Whether :meth:`gate_prior` will compute the Fisher prior."""
@@ -722,6 +784,9 @@ class Run:
         a = self.a
         init = None
         use_gpu = bool(a.use_gpu or str(a.device).startswith("cuda"))
+        # one replica per device: decide --lazy before anything is loaded (not for a layer-wise
+        # or tensor-parallel split, whose per-device share the prediction does not model)
+        self.memory_plan(cfg, decide=not a.device_map and a.tensor_parallel == 1)
         # GPU workers compute it on their GPU, except for a lazy student (no dense candidates
         # there to weigh): then the driver does, as on the CPU
         if cfg.gate_init == "fisher" and (not use_gpu or a.lazy):
@@ -745,6 +810,8 @@ class Run:
                 device_map=a.device_map, stop_after=getattr(a, "stop_after", None),
                 resources_per_worker=({"CPU": a.cpus_per_worker} if a.cpus_per_worker
                                       else None), init_logits=init)
+        peak = (res.metrics or {}).get("peak_gib")
+        self.print_memory(int(peak * 2 ** 30) if isinstance(peak, (int, float)) else None)
         if not res.finished:
             print(f"stopped after {res.step} of {cfg.max_steps} steps; the last checkpoint is "
                   f"{res.checkpoint_path}; rerun the same command to continue")

@@ -31,7 +31,7 @@ from .dequant import compile_recompile_limit, dequantize, exact_compile_options,
 from .quants import qtype
 
 __all__ = ["QuantizedCandidates", "LazyMix", "lazy_mix", "QuantizedParams", "predict_memory",
-           "format_memory", "DEFAULT_TILE_ELEMENTS",
+           "format_memory", "plan_memory", "MemoryPlanError", "DEFAULT_TILE_ELEMENTS",
            "DEFAULT_COMPILED_TILE_ELEMENTS"]
 
 #: Weights per tile (rows x n_per_row, rounded to whole rows) on the eager path: ~4 Mi weights
@@ -526,3 +526,79 @@ def format_memory(pred: dict[str, int], measured_peak: int | None = None) -> str
     if measured_peak is not None:
         line += f"; measured peak {measured_peak / gib:.1f} GiB"
     return line
+
+
+class MemoryPlanError(ValueError):
+    """The run cannot fit the device with any single-device setting (raised before loading)."""
+
+
+#: Flag sets tried, cheapest first, when the run as asked does not fit (what ``plan_memory``
+#: suggests): each entry is (flags, lazy, checkpointing, lazy Q8_0 teacher).
+_FIXES = (
+    (("--lazy",), True, False, False),
+    (("--gradient_checkpointing",), False, True, False),
+    (("--lazy", "--gradient_checkpointing"), True, True, False),
+    (("--lazy", "--teacher_quant Q8_0"), True, False, True),
+    (("--lazy", "--gradient_checkpointing", "--teacher_quant Q8_0"), True, True, True),
+)
+
+
+def plan_memory(predict, capacity: int, *, lazy: bool, checkpointing: bool,
+                q8_teacher: bool, auto_lazy: bool = True, where: str = "the device"
+                ) -> tuple[bool, dict[str, int], str | None]:
+    """Decides, before anything is loaded, whether a gate-training run fits ``capacity`` bytes.
+
+    Args:
+        predict: ``predict(lazy, checkpointing, q8_teacher) -> dict`` (:func:`predict_memory`
+            for the run with those settings; ``q8_teacher``: the teacher held as Q8_0 bytes,
+            which only ``--lazy`` does).
+        capacity: bytes free on the device (e.g. ``torch.cuda.mem_get_info()[0]``; any number
+            in tests).
+        lazy, checkpointing, q8_teacher: the run as asked.
+        auto_lazy: switch to ``--lazy`` when the eager candidates do not fit and lazy ones do.
+        where: the device, for the messages.
+
+    Returns:
+        ``(lazy, prediction, note)``: the ``lazy`` to use, its prediction, and a one-line note
+        when ``--lazy`` was chosen automatically (else None).
+
+    Raises:
+        MemoryPlanError: nothing fits as asked (nor with ``--lazy`` alone when ``auto_lazy``);
+        the message names the predicted size, the capacity and the flags that would fit, or,
+        when no single-device setting fits, ``--device_map`` and ``voodoo tp``.
+    """
+    gib = 2 ** 30
+    pred = predict(lazy, checkpointing, q8_teacher)
+    if pred["total"] <= capacity:
+        return lazy, pred, None
+    if not lazy and auto_lazy:
+        pl = predict(True, checkpointing, q8_teacher)
+        if pl["total"] <= capacity:
+            return True, pl, (f"note: the eager candidates would need {pred['total'] / gib:.1f}"
+                              f" GiB but {where} has {capacity / gib:.1f} GiB free; using "
+                              f"--lazy (candidates as ggml bytes, {pl['total'] / gib:.1f} GiB)")
+    fits = []
+    for flags, lz, ck, q8 in _FIXES:
+        lz, ck, q8 = lz or lazy, ck or checkpointing, q8 or q8_teacher
+        if (lz, ck, q8) == (lazy, checkpointing, q8_teacher):
+            continue
+        p = predict(lz, ck, q8)
+        if p["total"] <= capacity:
+            need = [f for f in flags if not ((f == "--lazy" and lazy) or
+                                             (f == "--gradient_checkpointing" and checkpointing)
+                                             or (f.startswith("--teacher") and q8_teacher))]
+            fits.append(f"{' '.join(need)} ({p['total'] / gib:.1f} GiB)")
+            break
+    split = ("or split the model over several GPUs: --device_map cuda:0,cuda:1 (layer-wise, "
+             "--ray) or `voodoo tp` (tensor parallel)")
+    msg = (f"this run is predicted to need {pred['total'] / gib:.1f} GiB on {where} "
+           f"({', '.join(f'{k} {v / gib:.1f}' for k, v in pred.items() if k != 'total')}) "
+           f"but {capacity / gib:.1f} GiB are free; ")
+    if fits:
+        msg += f"it would fit with {fits[0]}, {split}"
+    else:
+        best = predict(True, True, True)
+        msg += (f"even --lazy --gradient_checkpointing --teacher_quant Q8_0 needs "
+                f"{best['total'] / gib:.1f} GiB: {split}, or fewer tokens a step "
+                f"(--seq_len/--batch_size)")
+    raise MemoryPlanError(msg)

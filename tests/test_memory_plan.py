@@ -1,0 +1,108 @@
+"""voodoo.lazy.plan_memory: the decision made before anything is loaded (eager fits / switch to
+--lazy / fail naming the flags that would fit), with a fake device capacity; shapes of the
+Llama-3.2-3B and Qwen3-14B configs (the H200 runs of benchmarks/results/lazy_student/)."""
+
+from __future__ import annotations
+
+import pytest
+
+from test_pipeline import tiny_fixed  # noqa: F401  (fixture)
+
+GIB = 2 ** 30
+MENU6 = ["Q8_0", "Q6_K", "Q5_K", "Q4_K", "IQ4_XS", "IQ3_S"]
+
+
+def _llama_shapes(h, i, n_layers, heads, kv, vocab):
+    hd = h // heads
+    out = {"token_embd.weight": (vocab, h)}
+    for b in range(n_layers):
+        for n, s in {"attn_q": (heads * hd, h), "attn_k": (kv * hd, h), "attn_v": (kv * hd, h),
+                     "attn_output": (h, heads * hd), "ffn_gate": (i, h), "ffn_up": (i, h),
+                     "ffn_down": (h, i)}.items():
+            out[f"blk.{b}.{n}.weight"] = s
+    return out
+
+
+def _predictor(h, i, n_layers, heads, kv, vocab, n_params, tokens=8192):
+    from voodoo.lazy import predict_memory
+    shapes = _llama_shapes(h, i, n_layers, heads, kv, vocab)
+    menus = {n: MENU6 for n in shapes}
+    calls = []
+
+    def predict(lazy, ckpt, q8):
+        calls.append((lazy, ckpt, q8))
+        return predict_memory(shapes, menus, lazy=lazy, checkpointing=ckpt,
+                              teacher_quant="Q8_0" if (q8 and lazy) else "BF16",
+                              n_params=n_params, n_layers=n_layers, hidden=h, intermediate=i,
+                              vocab=vocab, tokens=tokens)
+    predict.calls = calls
+    return predict
+
+
+P3 = dict(h=3072, i=8192, n_layers=28, heads=24, kv=8, vocab=128256, n_params=3212749824)
+P14 = dict(h=5120, i=17408, n_layers=40, heads=40, kv=8, vocab=151936, n_params=13990384640)
+
+
+def test_eager_fits_stays_eager():
+    from voodoo.lazy import plan_memory
+    lazy, pred, note = plan_memory(_predictor(**P3), int(139.8 * GIB), lazy=False,
+                                   checkpointing=False, q8_teacher=False)
+    assert lazy is False and note is None and pred["total"] < 139.8 * GIB
+
+
+def test_switches_to_lazy_when_only_lazy_fits():
+    from voodoo.lazy import plan_memory
+    predict = _predictor(**P3)
+    lazy, pred, note = plan_memory(predict, 90 * GIB, lazy=False, checkpointing=False,
+                                   q8_teacher=False, where="cuda:0")
+    assert lazy is True and pred["total"] <= 90 * GIB
+    assert "--lazy" in note and "cuda:0" in note and "\n" not in note
+    assert predict.calls == [(False, False, False), (True, False, False)]
+    # the same without the automatic switch: an error naming --lazy
+    from voodoo.lazy import MemoryPlanError
+    with pytest.raises(MemoryPlanError, match="would fit with --lazy "):
+        plan_memory(predict, 90 * GIB, lazy=False, checkpointing=False, q8_teacher=False,
+                    auto_lazy=False)
+
+
+def test_fails_naming_the_flags_that_fit():
+    from voodoo.lazy import MemoryPlanError, plan_memory
+    predict = _predictor(**P14)
+    # the 14B shape, lazy + checkpointing with a bf16 teacher: ran out of the H200's 139.8 GiB
+    with pytest.raises(MemoryPlanError) as e:
+        plan_memory(predict, int(139.8 * GIB), lazy=True, checkpointing=True, q8_teacher=False)
+    msg = str(e.value)
+    assert "would fit with --teacher_quant Q8_0 (" in msg, msg
+    assert "--device_map" in msg and "voodoo tp" in msg and "\n" not in msg
+    # eager, nothing asked: the cheapest set that fits is named with every flag it needs
+    with pytest.raises(MemoryPlanError) as e:
+        plan_memory(predict, int(139.8 * GIB), lazy=False, checkpointing=False,
+                    q8_teacher=False)
+    assert "--lazy --gradient_checkpointing --teacher_quant Q8_0" in str(e.value)
+
+
+def test_nothing_fits_names_the_splits():
+    from voodoo.lazy import MemoryPlanError, plan_memory
+    with pytest.raises(MemoryPlanError) as e:
+        plan_memory(_predictor(**P14), 40 * GIB, lazy=False, checkpointing=False,
+                    q8_teacher=False)
+    msg = str(e.value)
+    assert msg.startswith("this run is predicted to need ")
+    assert "even --lazy --gradient_checkpointing --teacher_quant Q8_0 needs" in msg
+    assert "--device_map" in msg and "voodoo tp" in msg
+
+
+def test_voodoo_train_lazy_q8_teacher_prints_prediction(tiny_fixed, tmp_path):  # noqa: F811
+    """``voodoo train --lazy --teacher_quant Q8_0 --gate_init fisher`` on the CPU: the memory
+    prediction is printed before the teacher is built, the Fisher prior runs on a dense teacher
+    and training on the lazy one; one step."""
+    from test_pipeline import run_cli
+    out = tmp_path / "run"
+    rc, so, se = run_cli(["train", "--model", str(tiny_fixed), "--output_dir", str(out),
+                          "--seq_len", "64", "--n_train_blocks", "8", "--n_eval_blocks", "2",
+                          "--imatrix_blocks", "4", "--no_ray", "--max_steps", "1", "--lazy",
+                          "--teacher_quant", "Q8_0", "--fisher_blocks", "2"])
+    assert rc == 0, se[-3000:]
+    lines = [ln for ln in so.splitlines() if ln.startswith("predicted device memory: ")]
+    assert len(lines) == 1 and "candidates" in lines[0] and "teacher" in lines[0], so
+    assert list(out.glob("*.assignment.json"))
