@@ -472,7 +472,7 @@ class QuantizedParams(torch.nn.Module):
 def predict_memory(shapes, menus, *, n_params: int, n_layers: int, hidden: int,
                    intermediate: int, vocab: int, tokens: int, lazy: bool,
                    dtype: torch.dtype = torch.bfloat16, teacher_quant: str = "BF16",
-                   checkpointing: bool = False) -> dict[str, int]:
+                   checkpointing: bool = False, chunked_loss: bool = True) -> dict[str, int]:
     """Device bytes a gate-training step needs, predicted before anything is loaded.
 
     Args:
@@ -484,6 +484,9 @@ def predict_memory(shapes, menus, *, n_params: int, n_layers: int, hidden: int,
         dtype: the student's (and eager candidates') dtype.
         teacher_quant: ``"BF16"``/``"F32"`` (a dense copy) or ``"Q8_0"`` (8.5 bits a weight).
         checkpointing: per-decoder-layer gradient checkpointing.
+        chunked_loss: the distillation loss is computed chunk by chunk when the logits exceed
+            :data:`voodoo.train.DISTILL_CHUNK_ELEMENTS` (as :func:`voodoo.train.distill_losses`
+            does since 2026-12-01; False: the whole-tensor float32 loss measured before).
 
     Returns:
         bytes by part: ``candidates`` (exact: llama.cpp's row sizes lazily, K x elements x
@@ -512,6 +515,11 @@ def predict_memory(shapes, menus, *, n_params: int, n_layers: int, hidden: int,
     # bf16 student and teacher logits; float32 log-softmaxes of both, the teacher's
     # probabilities, the KL/CE terms and the gradient back to the logits
     logits = tokens * vocab * (2 + 2 + 6 * 4)
+    from .train import DISTILL_CHUNK_ELEMENTS
+    if chunked_loss and tokens * vocab > DISTILL_CHUNK_ELEMENTS:
+        # bf16 student and teacher logits, the logits' gradient (chunks, then joined), and
+        # one chunk's float32 temporaries
+        logits = tokens * vocab * (2 + 2 + 2 * 2) + 6 * 4 * DISTILL_CHUNK_ELEMENTS
     out = {"candidates": int(cand), "student": int(student), "teacher": int(teacher),
            "activations": int(act), "logits": int(logits)}
     out["total"] = sum(out.values())

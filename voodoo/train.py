@@ -214,12 +214,40 @@ def _logits(model, ids: torch.Tensor) -> torch.Tensor:
     return out.logits if hasattr(out, "logits") else out
 
 
+#: Logits (positions x vocab) above which :func:`distill_losses` works in chunks of positions.
+DISTILL_CHUNK_ELEMENTS = 1 << 27
+
+
+def _distill_chunk(s, t, tgt):
+    """Summed CE (targets ``tgt``, -100 ignored) and summed KL(t || s) of a chunk of positions,
+    in float32: s, t (n, V), tgt (n,)."""
+    s = s.float()
+    ce = F.cross_entropy(s, tgt, ignore_index=-100, reduction="sum")
+    log_s = torch.log_softmax(s, -1)
+    log_t = torch.log_softmax(t.float(), -1)
+    return ce, (log_t.exp() * (log_t - log_s)).sum()
+
+
 def distill_losses(s_logits: torch.Tensor, t_logits: torch.Tensor, ids: torch.Tensor):
     """(ce, kl) in nats: s_logits, t_logits (B, T, V), ids (B, T) int64.
 
     ce: mean next-token cross-entropy of the student over B*(T-1) predictions.
     kl: mean over B*T positions of KL(teacher || student) = sum_v p_t (log p_t - log p_s).
-    Computed in float32."""
+    Computed in float32. Beyond :data:`DISTILL_CHUNK_ELEMENTS` logits (e.g. 8192 tokens of a
+    150k vocabulary), chunk by chunk of positions under non-reentrant checkpointing, so that
+    only one chunk's float32 temporaries exist at a time (forward and backward) instead of
+    several full (B, T, V) float32 tensors; the same sums, in another order."""
+    b, t, v = s_logits.shape
+    if s_logits.numel() > DISTILL_CHUNK_ELEMENTS and b * t > 1:
+        from torch.utils.checkpoint import checkpoint
+        tgt = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], 1).reshape(-1)
+        rows = max(1, DISTILL_CHUNK_ELEMENTS // v)
+        ce = kl = 0.0
+        for s_c, t_c, g_c in zip(s_logits.reshape(-1, v).split(rows),
+                                 t_logits.reshape(-1, v).split(rows), tgt.split(rows)):
+            c, k = checkpoint(_distill_chunk, s_c, t_c, g_c, use_reentrant=False)
+            ce, kl = ce + c, kl + k
+        return ce / (b * (t - 1)), kl / (b * t)
     s = s_logits.float()
     v = s.shape[-1]
     ce = F.cross_entropy(s[:, :-1].reshape(-1, v), ids[:, 1:].reshape(-1))
