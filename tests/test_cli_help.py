@@ -86,3 +86,16 @@ def test_bootstrap_prints_lines_not_a_dict(monkeypatch, capsys, tmp_path):
     assert "{" not in out
     assert out.splitlines()[0].split() == ["libggml-base", str(tmp_path / "libggml-base.so")]
     assert out.splitlines()[1].startswith("llama.cpp tools  " + str(tmp_path / "bin"))
+
+
+def test_a_zero_default_is_shown(parsers, capsys):
+    """0 == False in Python: a default of 0 (--seed, --budget_reduction, --max_failures) is
+    still a value, shown like any other."""
+    ap = parsers["voodoo train"]
+    ap.print_help()
+    text = " ".join(capsys.readouterr().out.split())
+    assert "training order (default: 0)" in text
+    assert "aim 1% under) (default: 0.0)" in text
+    assert "from the last checkpoint (default: 0)" in text
+    assert "--no_ray quantize candidates in this process instead of Ray actors (default" \
+        not in text

@@ -33,8 +33,10 @@ class HelpFormatter(argparse.HelpFormatter):
 
     def _get_help_string(self, action):
         h = action.help or ""
-        if "default" in h.lower() or action.default in (None, False, argparse.SUPPRESS) \
-                or not action.option_strings:
+        # identity, not ==: 0 == False, and a default of 0 (--seed, --budget_reduction,
+        # --max_failures) is a value worth showing
+        nothing = any(action.default is v for v in (None, False, argparse.SUPPRESS))
+        if "default" in h.lower() or nothing or not action.option_strings:
             return h
         return h + " (default: %(default)s)"
 
