@@ -53,6 +53,7 @@ class BigLlamaFactory:
     seed: int = 0
     lazy: bool = False
     checkpointing: bool = False
+    teacher_quant: str = "BF16"
 
     def config(self):
         from transformers import LlamaConfig
@@ -69,6 +70,52 @@ class BigLlamaFactory:
             m = LlamaForCausalLM(self.config()).to(torch.bfloat16)
         return m.eval()
 
+    def teacher(self, model, specs, dev):
+        """The teacher: a bf16 copy of ``model`` (``BF16``), or (``Q8_0``) a copy whose
+        selectable weights are held as Q8_0 bytes by :class:`voodoo.lazy.QuantizedParams`
+        (well-formed random blocks: speed and memory do not depend on the values) and
+        dequantized module by module in each forward, as ``--lazy --teacher_quant Q8_0``
+        does."""
+        teacher = copy.deepcopy(model).eval()
+        for p in teacher.parameters():
+            p.requires_grad_(False)
+        if self.teacher_quant.upper() != "Q8_0":
+            return teacher
+        import sys
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from lazy_candidates import _random_blocks
+
+        from voodoo.lazy import QuantizedCandidates, QuantizedParams
+        g = torch.Generator(device=dev).manual_seed(self.seed + 3)
+        stores = {s.gguf_name: QuantizedCandidates([_random_blocks("Q8_0", *s.shape, dev, g)],
+                                                   ["Q8_0"], s.shape) for s in specs}
+        teacher.voodoo_quantized = QuantizedParams(teacher, identity_map(teacher, specs), stores)
+        return teacher
+
+    def predict(self, lazy: bool, n_params: int) -> dict:
+        """:func:`voodoo.lazy.predict_memory` of a whole gate-training step of this shape."""
+        from voodoo.lazy import predict_memory
+        hd = self.hidden // self.heads
+        layer = {"attn_q": (self.heads * hd, self.hidden),
+                 "attn_k": (self.kv_heads * hd, self.hidden),
+                 "attn_v": (self.kv_heads * hd, self.hidden),
+                 "attn_output": (self.hidden, self.heads * hd),
+                 "ffn_gate": (self.intermediate, self.hidden),
+                 "ffn_up": (self.intermediate, self.hidden),
+                 "ffn_down": (self.hidden, self.intermediate)}
+        shapes = {f"blk.{b}.{n}.weight": s for b in range(self.layers) for n, s in layer.items()}
+        shapes["token_embd.weight"] = (self.vocab, self.hidden)
+        menus = {n: self.types for n in shapes}
+        tq = "Q8_0" if self.teacher_quant.upper() == "Q8_0" else "BF16"  # held lazily here
+        return predict_memory(shapes, menus, n_params=n_params, n_layers=self.layers,
+                              hidden=self.hidden, intermediate=self.intermediate,
+                              vocab=self.vocab, tokens=self.tokens, lazy=lazy,
+                              teacher_quant=tq, checkpointing=self.checkpointing)
+
+    @property
+    def types(self):
+        return ["Q8_0", "Q6_K", "Q5_K", "Q4_K", "IQ4_XS", "IQ3_S", "IQ2_S", "IQ1_S"][: self.k]
+
     def __call__(self, info):
         if self.lazy:
             return self.lazy_job(info)
@@ -78,9 +125,9 @@ class BigLlamaFactory:
         from voodoo.quants import tensor_nbytes
         dev = info.device if info is not None else DEV
         model = self.base(dev)
-        teacher = copy.deepcopy(model)
         adapter = get_adapter(model.config)
         specs = adapter.selectable(model)
+        teacher = self.teacher(model, specs, dev)
         types = ["Q8_0", "Q6_K", "Q5_K", "Q4_K", "IQ4_XS", "IQ3_S", "IQ2_S", "IQ1_S"][: self.k]
         g = torch.Generator(device=dev).manual_seed(self.seed + 1)
         cands, nbytes = {}, {}
@@ -118,8 +165,8 @@ class BigLlamaFactory:
         from voodoo.quants import tensor_nbytes
         dev = info.device if info is not None else DEV
         model = self.base(dev)
-        teacher = copy.deepcopy(model)
         specs = get_adapter(model.config).selectable(model)
+        teacher = self.teacher(model, specs, dev)
         types = ["Q8_0", "Q6_K", "Q5_K", "Q4_K", "IQ4_XS", "IQ3_S", "IQ2_S", "IQ1_S"][: self.k]
         g = torch.Generator(device=dev).manual_seed(self.seed + 1)
         mixed = {}
@@ -140,6 +187,21 @@ class BigLlamaFactory:
                                generator=torch.Generator().manual_seed(self.seed + 2))
         return StudentJob(student=model, teacher=teacher, train_blocks=blocks, specs=specs,
                           n_head=self.heads, n_head_kv=self.kv_heads)
+
+
+def identity_map(model, specs):
+    """A :class:`voodoo.tensormap.TensorMap` in which each selectable tensor is its module's
+    ``weight`` as it is (GGUF rows = HF rows): a Llama's layout up to a row permutation of
+    attn_q/attn_k, which costs nothing here."""
+    import numpy as np
+
+    from voodoo.tensormap import Link, MapEntry, TensorMap
+    entries = []
+    for s in specs:
+        n = s.shape[0]
+        lk = Link(f"{s.module_name}.weight", False, np.arange(n), np.arange(n))
+        entries.append(MapEntry(s.gguf_name, tuple(s.shape), [lk]))
+    return TensorMap("llama", "LlamaForCausalLM", entries)
 
 
 class _BenchGates(torch.nn.Module):
@@ -299,6 +361,13 @@ def _gated(f, n, ids, plain_ms, out):
     out["ratio_step_over_plain"] = out["step_ms"] / plain_ms
     out["step_tokens_per_s"] = f.tokens / out["step_ms"] * 1e3
     out["expected_gib"] = float(model_expected_bytes(student).detach()) / 2**30
+    n_params = sum(p.numel() for p in f.base("meta").parameters())
+    pred = f.predict(bool(f.lazy), n_params)
+    out["predicted_gib"] = {k: v / 2**30 for k, v in pred.items()}
+    out["teacher_quant"] = f.teacher_quant
+    if DEV == "cuda":
+        from voodoo.lazy import format_memory
+        print(format_memory(pred, int(out["step_peak_gib"] * 2**30)), flush=True)
     del job, student, teacher, opt, params
     return out
 
@@ -363,13 +432,16 @@ def ray_run(f: BigLlamaFactory, steps: int, tp: int, device_map: str | None, nam
     if not ray.is_initialized():
         ray.init(include_dashboard=False)
     cfg = TrainConfig(compression_ratio=0.5, max_steps=steps, seq_len=f.tokens, batch_size=1,
-                      device="cuda", dtype="bfloat16", compile=False,
-                      partial_save_interval=steps)
+                      device=DEV, dtype="bfloat16", compile=False,
+                      partial_save_interval=steps, gradient_checkpointing=f.checkpointing,
+                      # the Fisher prior needs dense candidates; a lazy student starts from the
+                      # budget prior (the CLI computes the Fisher one in the driver)
+                      gate_init="budget" if f.lazy else "fisher")
     times = []
 
     t0 = time.perf_counter()
     n_gpu = torch.cuda.device_count()
-    kw = dict(num_workers=tp, use_gpu=True, tensor_parallel=tp)
+    kw = dict(num_workers=tp, use_gpu=DEV == "cuda", tensor_parallel=tp)
     if device_map:
         kw = dict(num_workers=1, use_gpu=True, device_map=device_map,
                   resources_per_worker={"GPU": len(device_map.split(",")), "CPU": 2})
@@ -383,7 +455,17 @@ def ray_run(f: BigLlamaFactory, steps: int, tp: int, device_map: str | None, nam
            "metrics": {k: v for k, v in res.metrics.items() if isinstance(v, (int, float))}}
     if step_s:
         med = statistics.median(step_s[1:] or step_s)
-        out.update(step_s_median=med, steps_per_s=1 / med, tokens_per_s=f.tokens / med)
+        out.update(step_s_median=med, steps_per_s=1 / med, tokens_per_s=f.tokens / med,
+                   step_s_all=step_s)
+    peaks = [h.get("peak_gib") for h in hist if h.get("peak_gib")]
+    if peaks:
+        out["peak_gib"] = max(peaks)
+    n_params = sum(p.numel() for p in f.base("meta").parameters())
+    pred = f.predict(bool(f.lazy), n_params)
+    out["predicted_gib"] = {k: v / 2**30 for k, v in pred.items()}
+    out.update(lazy=bool(f.lazy), checkpointing=f.checkpointing, teacher_quant=f.teacher_quant)
+    from voodoo.lazy import format_memory
+    print(format_memory(pred, int(out["peak_gib"] * 2**30) if peaks else None), flush=True)
     return out
 
 
@@ -406,6 +488,9 @@ def main():
                          "ggml bytes, voodoo.lazy) or both, one after the other")
     ap.add_argument("--gradient_checkpointing", action="store_true",
                     help="per decoder layer, for the plain baseline and the students alike")
+    ap.add_argument("--teacher_quant", choices=["BF16", "Q8_0"], default="BF16",
+                    help="the teacher: a bf16 copy, or Q8_0 bytes dequantized module by module "
+                         "(voodoo.lazy.QuantizedParams, as --lazy --teacher_quant Q8_0)")
     ap.add_argument("--ray", action="store_true", help="TorchTrainer, one GPU worker")
     ap.add_argument("--tp", type=int, default=0, help="TorchTrainer tensor parallel N")
     ap.add_argument("--device_map", default=None, help="TorchTrainer layer-wise, one worker")
@@ -417,7 +502,7 @@ def main():
     DEV = a.device
     f = BigLlamaFactory(a.hidden, a.intermediate, a.layers, a.heads, a.kv_heads, a.vocab, a.k,
                         a.tokens, lazy={"off": False, "on": True, "both": "both"}[a.lazy],
-                        checkpointing=a.gradient_checkpointing)
+                        checkpointing=a.gradient_checkpointing, teacher_quant=a.teacher_quant)
     results = {"device": torch.cuda.get_device_name(0) if DEV == "cuda" else "cpu",
                "shape": vars(a)}
     if a.single:
@@ -427,7 +512,9 @@ def main():
         results["lazy_ops"] = lazy_ops(f, a.n)
         print(json.dumps(results["lazy_ops"], indent=1), flush=True)
     if a.ray:
-        results["ray1"] = ray_run(f, a.ray_steps, 1, None, "bench-1gpu")
+        fr = copy.copy(f)
+        fr.lazy = bool(f.lazy)  # "both": the lazy student under TorchTrainer
+        results["ray1"] = ray_run(fr, a.ray_steps, 1, None, "bench-1gpu")
         print(json.dumps(results["ray1"], indent=1), flush=True)
     if a.tp:
         results[f"tp{a.tp}"] = ray_run(f, a.ray_steps, a.tp, None, f"bench-tp{a.tp}")
