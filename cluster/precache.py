@@ -49,9 +49,23 @@ class PrecacheError(RuntimeError):
 
     def __init__(self, failures: dict, result: PrecacheResult):
         self.failures, self.result = failures, result
-        lines = "; ".join(f"{n} {t}: {e}" for (n, t), e in list(failures.items())[:5])
-        more = f" (and {len(failures) - 5} more)" if len(failures) > 5 else ""
-        super().__init__(f"{len(failures)} candidate(s) failed after retries: {lines}{more}")
+
+        def short(e: str) -> str:
+            e = str(e).strip().splitlines()[0] if str(e).strip() else str(e)
+            return e if len(e) <= 160 else e[:157] + "..."
+        oom = sum(1 for e in failures.values() if "OutOfMemoryError" in str(e))
+        shown = [(k, e) for k, e in failures.items() if "OutOfMemoryError" not in str(e)][:3]
+        lines = "; ".join(f"{n} {t}: {short(e)}" for (n, t), e in shown)
+        msg = f"{len(failures)} candidate(s) failed after retries"
+        if oom:
+            msg += (f"; {oom} of them were killed by Ray's memory monitor (the node ran out of "
+                    "memory, often because other jobs hold it): free memory, or quantize in this "
+                    "process with --no_ray, and run the same command again; every candidate "
+                    "already built stays in the cache")
+        if lines:
+            more = len(failures) - oom - len(shown)
+            msg += f"; {lines}" + (f" (and {more} more)" if more > 0 else "")
+        super().__init__(msg)
 
 
 @ray.remote
