@@ -1,0 +1,74 @@
+"""voodoo.rounding: error-feedback bytes are valid ggml blocks of the asked type, dequantize
+exactly (libggml's to_float == voodoo.dequant, bit for bit), and have no more output error
+tr(E H E^T) than libggml's own bytes with the same imatrix (small random matrix, correlated
+inputs)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import cython_ggml as cg
+from voodoo import rounding as R
+from voodoo.dequant import dequantize
+
+ROWS, COLS = 24, 512
+
+
+@pytest.fixture(scope="module")
+def problem():
+    rng = np.random.default_rng(0)
+    mix = np.eye(COLS) + 0.15 * rng.standard_normal((COLS, COLS))
+    x = rng.standard_normal((2048, COLS)) @ mix * (0.2 + 2 * rng.random(COLS))
+    h = x.T @ x
+    imat = (np.diagonal(h) / x.shape[0]).astype(np.float32)
+    w = (0.05 * rng.standard_normal((ROWS, COLS))).astype(np.float32)
+    return w, imat, h, R.inverse_hessian_cholesky(h)
+
+
+def _check(q, t, w, imat, h):
+    assert q.dtype == np.uint8 and q.shape == (ROWS, cg.row_size(t, COLS))
+    assert R.validate_rows(q, t)
+    d = cg.dequantize(q, t, COLS, n_threads=1)
+    d2 = dequantize(torch.from_numpy(q), t, COLS).numpy()
+    assert np.array_equal(d.view(np.uint32), d2.view(np.uint32))
+    base = cg.dequantize(cg.quantize(w, t, imatrix=imat, n_threads=1), t, COLS, n_threads=1)
+    assert R.proxy_error(w, d, h) <= R.proxy_error(w, base, h)
+
+
+@pytest.mark.parametrize("t", R.COLUMN_TYPES)
+def test_columns_valid_exact_and_better(problem, t):
+    w, imat, h, u = problem
+    _check(R.gptq_columns(w, t, imat, h, u=u), t, w, imat, h)
+
+
+@pytest.mark.parametrize("t", ["Q4_0", "IQ4_NL", "Q6_K", "Q4_K", "IQ4_XS", "Q3_K", "IQ3_S", "Q2_K"])
+def test_blocks_valid_exact_and_better(problem, t):
+    w, imat, h, u = problem
+    _check(R.gptq_blocks(w, t, imat, h, u=u), t, w, imat, h)
+
+
+def test_blocks_without_feedback_are_libggml_blocks(problem):
+    # each group quantized on its own by libggml: for a type whose blocks do not look at the
+    # rest of the row without an imatrix (Q8_0), that is exactly llama-quantize's bytes
+    w, _, h, u = problem
+    q = R.gptq_blocks(w, "Q8_0", None, h, u=u, feedback=False)
+    assert np.array_equal(q, cg.quantize(w, "Q8_0", n_threads=1))
+
+
+def test_inverse_hessian_cholesky(problem):
+    _, _, h, u = problem
+    hd = h + 0.01 * np.mean(np.diagonal(h)) * np.eye(COLS)
+    assert np.allclose(u, np.triu(u))
+    assert np.allclose(u.T @ u @ hd, np.eye(COLS), atol=1e-6)
+
+
+def test_bad_shapes(problem):
+    w, imat, h, _ = problem
+    with pytest.raises(ValueError):
+        R.gptq_blocks(w, "Q4_0", imat, h[:10, :10])
+    with pytest.raises(ValueError):
+        R.gptq_columns(w, "Q4_K", imat, h)
+    with pytest.raises(ValueError):
+        R.gptq_blocks(w[:, :288], "Q4_K", imat[:288], h[:288, :288])

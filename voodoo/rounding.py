@@ -1,0 +1,242 @@
+"""Error-feedback rounding: valid ggml blocks of a type, chosen to minimise the layer's output
+error ``tr(E H E^T)`` (``E = W - deq(Q)``, ``H = X^T X`` of the tensor's input) rather than
+llama-quantize's per-block weighted error.
+
+llama.cpp dequantizes whatever valid blocks a GGUF holds, so these bytes run unchanged in stock
+llama.cpp; they are simply not what ``llama-quantize`` would write (a tensor-type file does not
+reproduce them).
+
+Two variants (GPTQ / OBS with the Cholesky factor ``U`` of the dampened ``H^-1 = U^T U``):
+
+- :func:`gptq_blocks` (every type): column groups of the type's block size (32 or 256), left to
+  right. The current (already updated) group is quantized by libggml's own quantizer
+  (:mod:`cython_ggml`, with an importance vector), dequantized exactly, and its error
+  ``E_B`` is pushed onto the columns not yet quantized: ``W_R -= E_B U_BB^-1 U_BR``.
+- :func:`gptq_columns` (Q8_0, Q5_1, Q5_0, Q4_1, IQ4_NL, Q4_0): per block, the scale (and min)
+  come from libggml's quantizer on the updated block; then the block's 32 columns are rounded
+  one by one to the nearest level of that scale, each column's error fed back onto the block's
+  later columns, and the block's error onto the later blocks. The block bytes are written here,
+  in the exact ``block_*`` layouts of ``ggml-common.h``.
+
+Importance given to libggml per group (``importance``): ``"imatrix"`` (the slice of the
+imatrix vector, as llama-quantize) or ``"hessian"`` (``diag((H^-1_BB)^-1)`` of the columns
+still free: the weight OBS gives each column of the group).
+
+No Ray, no architecture names. Rows are independent (every row uses the same ``H``), so the
+bytes do not depend on any row order (llama.cpp's converter permutes q/k rows: harmless).
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+
+__all__ = ["inverse_hessian_cholesky", "gptq_blocks", "gptq_columns", "quantize_feedback",
+           "proxy_error", "validate_rows", "COLUMN_TYPES"]
+
+#: kvalues_iq4nl (ggml-common.h)
+_IQ4NL = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113],
+                  dtype=np.float32)
+
+#: type -> (bytes per block, has min, offset of qh or None, offset of qs, kind, q range)
+_LAYOUT = {
+    "Q8_0": (34, False, None, 2, "i8", (-128, 127)),
+    "Q4_0": (18, False, None, 2, "u", (0, 15)),
+    "Q4_1": (20, True, None, 4, "u", (0, 15)),
+    "Q5_0": (22, False, 2, 6, "u", (0, 31)),
+    "Q5_1": (24, True, 4, 8, "u", (0, 31)),
+    "IQ4_NL": (18, False, None, 2, "nl", (0, 15)),
+}
+_OFFSET = {"Q4_0": 8, "Q5_0": 16, "Q8_0": 0, "Q4_1": 0, "Q5_1": 0}
+#: 32-block types whose bytes :func:`gptq_columns` writes itself.
+COLUMN_TYPES = tuple(_LAYOUT)
+
+
+def _ggml():
+    import cython_ggml  # loads libggml on first use
+    return cython_ggml
+
+
+def inverse_hessian_cholesky(h: np.ndarray, damp: float = 0.01) -> np.ndarray:
+    """Upper Cholesky factor ``U`` of ``(H + damp·mean(diag H)·I)^-1`` (``U^T U``), float64.
+
+    Columns with ``H_jj == 0`` (never active) get ``H_jj = 1`` first. Raises
+    numpy.linalg.LinAlgError if ``H`` is not positive definite even so."""
+    h = np.array(h, dtype=np.float64, copy=True)
+    if h.ndim != 2 or h.shape[0] != h.shape[1]:
+        raise ValueError(f"H must be square, got shape {h.shape}")
+    d = np.diagonal(h).copy()
+    dead = d <= 0
+    h[dead, dead] = 1.0
+    h[np.diag_indices_from(h)] += damp * float(np.mean(np.diagonal(h)))
+    lo = np.linalg.cholesky(h)
+    eye = np.eye(h.shape[0])
+    from scipy.linalg import solve_triangular
+    li = solve_triangular(lo, eye, lower=True)          # L^-1
+    hinv = li.T @ li                                     # H^-1
+    return np.linalg.cholesky(hinv).T                    # upper U with U^T U = H^-1
+
+
+def _check(w, imatrix, h):
+    if not isinstance(w, np.ndarray) or w.ndim != 2:
+        raise ValueError(f"W must be a 2-D array, got {getattr(w, 'shape', type(w).__name__)}")
+    cols = w.shape[1]
+    if h.shape != (cols, cols):
+        raise ValueError(f"H has shape {h.shape}, W has {cols} columns")
+    if imatrix is not None and np.asarray(imatrix).shape != (cols,):
+        raise ValueError(f"imatrix has shape {np.asarray(imatrix).shape}, need ({cols},)")
+
+
+def _importance(mode, imatrix, u_bb, s, e):
+    if mode == "imatrix":
+        return None if imatrix is None else np.ascontiguousarray(imatrix[s:e], dtype=np.float32)
+    if mode == "hessian":
+        # the free columns' inverse Hessian restricted to the group is U_BB^T U_BB; OBS weighs
+        # the group's error by its inverse
+        p = np.linalg.inv(u_bb.T @ u_bb)
+        v = np.clip(np.diagonal(p), 1e-30, None)
+        return np.ascontiguousarray(v / v.mean(), dtype=np.float32)
+    raise ValueError(f"importance must be 'imatrix' or 'hessian', got {mode!r}")
+
+
+def gptq_blocks(w: np.ndarray, qtype, imatrix: np.ndarray | None, h: np.ndarray, *,
+                damp: float = 0.01, importance: str = "imatrix", feedback: bool = True,
+                u: np.ndarray | None = None) -> np.ndarray:
+    """Valid ``qtype`` rows for ``w`` (rows, cols) float32, by group-wise error feedback.
+
+    Each group of ``block_size`` columns is quantized by libggml (``cython_ggml.quantize``) with
+    the importance of ``importance``; its exact dequantized error is pushed onto the later
+    columns (``feedback=False``: not pushed, a control that isolates quantizing a group on its
+    own). ``u``: a precomputed :func:`inverse_hessian_cholesky` of ``h`` (else computed).
+
+    Returns uint8 (rows, row_size), bytes of whole ggml blocks."""
+    g = _ggml()
+    _check(w, imatrix, h)
+    rows, cols = w.shape
+    bs, ts = g.block_size(qtype), g.type_size(qtype)
+    if cols % bs:
+        raise ValueError(f"{cols} columns is not a multiple of {g.type_name(qtype)}'s block {bs}")
+    u = inverse_hessian_cholesky(h, damp) if u is None else u
+    wk = np.array(w, dtype=np.float64, copy=True)
+    out = np.empty((rows, cols // bs * ts), dtype=np.uint8)
+    for k, s in enumerate(range(0, cols, bs)):
+        e = s + bs
+        u_bb = u[s:e, s:e]
+        cur = np.ascontiguousarray(wk[:, s:e], dtype=np.float32)
+        q = g.quantize(cur, qtype, imatrix=_importance(importance, imatrix, u_bb, s, e),
+                       n_threads=1)
+        out[:, k * ts:(k + 1) * ts] = q
+        if feedback and e < cols:
+            err = wk[:, s:e] - g.dequantize(q, qtype, bs, n_threads=1)
+            from scipy.linalg import solve_triangular
+            err = solve_triangular(u_bb, err.T, lower=False, trans="T").T  # E_B U_BB^-1
+            wk[:, e:] -= err @ u[s:e, e:]
+    return out
+
+
+def _f16_at(q: np.ndarray, off: int) -> np.ndarray:
+    return np.ascontiguousarray(q[:, off:off + 2]).view(np.float16)[:, 0].astype(np.float32)
+
+
+def gptq_columns(w: np.ndarray, qtype, imatrix: np.ndarray | None, h: np.ndarray, *,
+                 damp: float = 0.01, importance: str = "imatrix",
+                 u: np.ndarray | None = None) -> np.ndarray:
+    """Valid ``qtype`` rows (one of :data:`COLUMN_TYPES`) for ``w`` by column-wise error
+    feedback: each block's scale (and min) from libggml on the updated block, then its columns
+    rounded to the nearest level one by one, errors fed back within and past the block.
+
+    Returns uint8 (rows, row_size) in the type's ``block_*`` layout."""
+    g = _ggml()
+    name = g.type_name(qtype)
+    if name not in _LAYOUT:
+        raise ValueError(f"gptq_columns writes {', '.join(COLUMN_TYPES)}, not {name}")
+    _check(w, imatrix, h)
+    ts, has_min, off_qh, off_qs, kind, (qlo, qhi) = _LAYOUT[name]
+    bs = 32
+    rows, cols = w.shape
+    if cols % bs:
+        raise ValueError(f"{cols} columns is not a multiple of 32")
+    u = inverse_hessian_cholesky(h, damp) if u is None else u
+    wk = np.array(w, dtype=np.float64, copy=True)
+    out = np.empty((rows, cols // bs * ts), dtype=np.uint8)
+    off = _OFFSET.get(name, 0)
+    from scipy.linalg import solve_triangular
+    for k, s in enumerate(range(0, cols, bs)):
+        e = s + bs
+        u_bb = u[s:e, s:e]
+        cur = np.ascontiguousarray(wk[:, s:e], dtype=np.float32)
+        ref = g.quantize(cur, qtype, imatrix=_importance(importance, imatrix, u_bb, s, e),
+                         n_threads=1)
+        d = _f16_at(ref, 0)
+        m = _f16_at(ref, 2) if has_min else np.zeros(rows, np.float32)
+        dz = d == 0
+        dsafe = np.where(dz, np.float32(1), d)
+        grid = d[:, None] * _IQ4NL[None, :] if kind == "nl" else None
+        blk = wk[:, s:e]                       # a view: updated in place
+        qv = np.empty((rows, bs), dtype=np.int64)
+        errs = np.empty((rows, bs))
+        for j in range(bs):
+            x = blk[:, j]
+            if kind == "nl":
+                qi = np.abs(x[:, None].astype(np.float32) - grid).argmin(1)
+                deq = grid[np.arange(rows), qi]
+            else:
+                r = np.rint((x.astype(np.float32) - m) / dsafe)
+                qi = np.clip(r + off, qlo, qhi).astype(np.int64)
+                qi[dz] = off if not has_min else 0
+                deq = (qi - off).astype(np.float32) * d + m
+            qv[:, j] = qi
+            err = (x - deq) / u_bb[j, j]
+            errs[:, j] = err
+            if j + 1 < bs:
+                blk[:, j + 1:] -= err[:, None] * u_bb[j, j + 1:][None, :]
+        if e < cols:
+            wk[:, e:] -= errs @ u[s:e, e:]
+        blocks = out[:, k * ts:(k + 1) * ts]
+        blocks[:, :off_qs] = ref[:, :off_qs]   # d (and m); qh rewritten below
+        if kind == "i8":
+            blocks[:, 2:34] = qv.astype(np.int8).view(np.uint8)
+        else:
+            lo4 = (qv[:, :16] & 0xF) | ((qv[:, 16:] & 0xF) << 4)
+            blocks[:, off_qs:off_qs + 16] = lo4.astype(np.uint8)
+            if off_qh is not None:
+                bits = ((qv >> 4) & 1).astype(np.uint64) << np.arange(32, dtype=np.uint64)
+                qh = bits.sum(1).astype(np.uint32)
+                blocks[:, off_qh:off_qh + 4] = qh[:, None].view(np.uint8).reshape(rows, 4)
+    return out
+
+
+def quantize_feedback(w: np.ndarray, qtype, imatrix: np.ndarray | None, h: np.ndarray, *,
+                      method: str = "auto", damp: float = 0.01, importance: str = "imatrix",
+                      u: np.ndarray | None = None) -> np.ndarray:
+    """Error-feedback bytes of ``w`` as ``qtype``: ``method="columns"`` (:func:`gptq_columns`,
+    32-block types of :data:`COLUMN_TYPES`), ``"blocks"`` (:func:`gptq_blocks`, every type) or
+    ``"auto"`` (columns where possible)."""
+    name = _ggml().type_name(qtype)
+    if method == "auto":
+        method = "columns" if name in _LAYOUT else "blocks"
+    w = np.ascontiguousarray(w, dtype=np.float32)
+    if method == "columns":
+        return gptq_columns(w, name, imatrix, h, damp=damp, importance=importance, u=u)
+    if method == "blocks":
+        return gptq_blocks(w, name, imatrix, h, damp=damp, importance=importance, u=u)
+    raise ValueError(f"method must be auto, columns or blocks, got {method!r}")
+
+
+def proxy_error(w: np.ndarray, deq: np.ndarray, h: np.ndarray) -> float:
+    """``tr(E H E^T)`` with ``E = w - deq`` (float64)."""
+    e = np.asarray(w, dtype=np.float64) - np.asarray(deq, dtype=np.float64)
+    return float(np.einsum("ij,ij->", e @ np.asarray(h, dtype=np.float64), e))
+
+
+def validate_rows(data: np.ndarray, qtype) -> bool:
+    """libggml's ``ggml_validate_row_data`` (what llama.cpp runs on a GGUF's tensors when it
+    loads them with validation, and llama-quantize on what it writes) over all of ``data``."""
+    g = _ggml()
+    lib = ctypes.CDLL(g.library_path())
+    f = lib.ggml_validate_row_data
+    f.restype = ctypes.c_bool
+    f.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t]
+    a = np.ascontiguousarray(data, dtype=np.uint8)
+    return bool(f(g.type_id(qtype), a.ctypes.data, a.nbytes))
