@@ -54,6 +54,7 @@ class BigLlamaFactory:
     lazy: bool = False
     checkpointing: bool = False
     teacher_quant: str = "BF16"
+    assembly: str = "module"
 
     def config(self):
         from transformers import LlamaConfig
@@ -150,38 +151,34 @@ class BigLlamaFactory:
     def lazy_job(self, info):
         """The ``--lazy`` student: each selectable weight's K candidates held as ggml bytes
         (well-formed random blocks of each type: speed and memory do not depend on the
-        values), mixed by :class:`voodoo.lazy.QuantizedCandidates` through
-        :func:`voodoo.gates.mix_weight` before each forward (what :class:`voodoo.gates.ParamGates`
-        does, without a tensor map: a Llama's GGUF layout is its HF layout up to a row
-        permutation, which costs nothing here)."""
+        values) in :class:`voodoo.lazy.QuantizedCandidates`, gated by
+        :func:`voodoo.gates.install_param_gates` over an identity tensor map (what
+        ``build_student(lazy=True)`` does; a Llama's GGUF layout is its HF layout up to a row
+        permutation, which costs nothing here): each weight mixed when its module is first
+        called in a step (``per_module``; ``assembly="root"``: all before the forward)."""
         import sys
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         from lazy_candidates import _random_blocks
 
         from cluster.train import StudentJob
         from voodoo.arch import get_adapter
-        from voodoo.gates import MixedWeight
+        from voodoo.gates import install_param_gates
         from voodoo.lazy import QuantizedCandidates
         from voodoo.quants import tensor_nbytes
         dev = info.device if info is not None else DEV
         model = self.base(dev)
         specs = get_adapter(model.config).selectable(model)
         teacher = self.teacher(model, specs, dev)
-        types = ["Q8_0", "Q6_K", "Q5_K", "Q4_K", "IQ4_XS", "IQ3_S", "IQ2_S", "IQ1_S"][: self.k]
+        types = self.types
         g = torch.Generator(device=dev).manual_seed(self.seed + 1)
-        mixed = {}
+        stores, table = {}, {}
         for s in specs:
-            qc = QuantizedCandidates([_random_blocks(t, *s.shape, dev, g) for t in types], types,
-                                     s.shape)
-            mw = MixedWeight(torch.empty(self.k, 0, 0, device=dev),
-                             [tensor_nbytes(t, *s.shape) for t in types], s.gguf_name, types)
-            mw.store = qc
-            mixed[s.gguf_name] = (mw, model.get_submodule(s.module_name))
-        model.voodoo_gates = _BenchGates(model, mixed)
-        for p in model.parameters():
-            p.requires_grad_(False)
-        for mw, _ in mixed.values():
-            mw.logits.requires_grad_(True)
+            stores[s.gguf_name] = QuantizedCandidates(
+                [_random_blocks(t, *s.shape, dev, g) for t in types], types, s.shape)
+            table[s.gguf_name] = [tensor_nbytes(t, *s.shape) for t in types]
+        install_param_gates(model, identity_map(model, specs), {}, table,
+                            menus={s.gguf_name: types for s in specs}, stores=stores,
+                            per_module=self.assembly == "module")
         _maybe_checkpoint(model, self.checkpointing)
         blocks = torch.randint(0, self.vocab, (self.n_blocks, self.tokens),
                                generator=torch.Generator().manual_seed(self.seed + 2))
@@ -202,38 +199,6 @@ def identity_map(model, specs):
         lk = Link(f"{s.module_name}.weight", False, np.arange(n), np.arange(n))
         entries.append(MapEntry(s.gguf_name, tuple(s.shape), [lk]))
     return TensorMap("llama", "LlamaForCausalLM", entries)
-
-
-class _BenchGates(torch.nn.Module):
-    """Gates whose weights are recomputed before each forward (a root forward pre-hook): every
-    module's ``weight`` (both modules of the tied embedding) becomes the differentiable mixture
-    :func:`voodoo.gates.mix_weight` in bf16; the Parameters are dropped."""
-
-    def __init__(self, model, mixed):
-        super().__init__()
-        from voodoo.gates import _key
-        self.mixed = torch.nn.ModuleDict({_key(n): mw for n, (mw, _) in mixed.items()})
-        owners = {}
-        for mod in model.modules():
-            for attr, p in list(mod._parameters.items()):
-                if p is not None:
-                    owners.setdefault(id(p), []).append((mod, attr))
-        self._plan = []
-        for n, (mw, mod) in mixed.items():
-            own = owners[id(mod.weight)]
-            for m, attr in own:
-                del m._parameters[attr]
-            self._plan.append((_key(n), own))
-        self._hook = model.register_forward_pre_hook(lambda m, a: self.assemble())
-        with torch.no_grad():
-            self.assemble()
-
-    def assemble(self):
-        from voodoo.gates import mix_weight
-        for key, own in self._plan:
-            w = mix_weight(self.mixed[key], torch.bfloat16)
-            for m, attr in own:
-                setattr(m, attr, w)
 
 
 def _maybe_checkpoint(model, on: bool):
@@ -491,6 +456,10 @@ def main():
     ap.add_argument("--teacher_quant", choices=["BF16", "Q8_0"], default="BF16",
                     help="the teacher: a bf16 copy, or Q8_0 bytes dequantized module by module "
                          "(voodoo.lazy.QuantizedParams, as --lazy --teacher_quant Q8_0)")
+    ap.add_argument("--lazy_assembly", choices=["module", "root"], default="module",
+                    help="lazy student: mix each weight when its module is first called in a "
+                         "step (ParamGates per_module, build_student(lazy=True)'s) or all of "
+                         "them before the forward (root)")
     ap.add_argument("--ray", action="store_true", help="TorchTrainer, one GPU worker")
     ap.add_argument("--tp", type=int, default=0, help="TorchTrainer tensor parallel N")
     ap.add_argument("--device_map", default=None, help="TorchTrainer layer-wise, one worker")
@@ -502,7 +471,8 @@ def main():
     DEV = a.device
     f = BigLlamaFactory(a.hidden, a.intermediate, a.layers, a.heads, a.kv_heads, a.vocab, a.k,
                         a.tokens, lazy={"off": False, "on": True, "both": "both"}[a.lazy],
-                        checkpointing=a.gradient_checkpointing, teacher_quant=a.teacher_quant)
+                        checkpointing=a.gradient_checkpointing, teacher_quant=a.teacher_quant,
+                        assembly=a.lazy_assembly)
     results = {"device": torch.cuda.get_device_name(0) if DEV == "cuda" else "cpu",
                "shape": vars(a)}
     if a.single:

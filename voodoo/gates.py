@@ -549,9 +549,19 @@ class ParamGates(nn.Module):
     that no selectable tensor covers keep their value (a frozen buffer).
 
     Submodules: ``mixed`` (ModuleDict of :class:`MixedWeight`, one per GGUF tensor) and
-    ``base`` (buffers of partly covered parameters)."""
+    ``base`` (buffers of partly covered parameters).
 
-    def __init__(self, model: nn.Module, tmap, mixed: Mapping[str, MixedWeight]):
+    ``per_module`` (the lazy student's choice): each parameter is mixed when the first module
+    owning it is called (a forward pre-hook on that module; the root hook only starts a new
+    step) and kept for the rest of the step, so a checkpointed layer's recomputation reads the
+    same tensor. Same weights and gradients; but the mixture's autograd node is created next to
+    the layer that uses it, so the backward consumes each ``dL/dW`` (and frees it) as soon as
+    that layer is done, instead of holding every weight's gradient to the end of the backward
+    (the nodes of weights mixed before the forward have the lowest priority in autograd's
+    queue). Needs modules that read their weights inside their own forward."""
+
+    def __init__(self, model: nn.Module, tmap, mixed: Mapping[str, MixedWeight],
+                 per_module: bool = False):
         super().__init__()
         self.mixed = nn.ModuleDict({_key(n): mw for n, mw in mixed.items()})
         self.base = nn.Module()
@@ -597,11 +607,26 @@ class ParamGates(nn.Module):
             for mod, attr in own:
                 del mod._parameters[attr]
                 setattr(mod, attr, p.detach())
+        self.per_module = bool(per_module)
+        self._step: dict[int, torch.Tensor] = {}   # plan index -> this step's tensor
         self._hook = model.register_forward_pre_hook(self._refresh)
+        self._module_hooks = []
+        if self.per_module:
+            by_mod: dict[int, tuple[nn.Module, list[int]]] = {}
+            for i, item in enumerate(self._plan):
+                for mod, _ in item[4]:
+                    by_mod.setdefault(id(mod), (mod, []))[1].append(i)
+            for mod, idx in by_mod.values():
+                if mod is model:
+                    continue  # the root's own parameters: mixed by _refresh
+                self._module_hooks.append(mod.register_forward_pre_hook(
+                    lambda m, a, idx=tuple(idx): self._load(idx)))
 
     def remove(self) -> None:
-        """Removes the forward pre-hook (the model then keeps its last weights)."""
+        """Removes the forward pre-hooks (the model then keeps its last weights)."""
         self._hook.remove()
+        for h in self._module_hooks:
+            h.remove()
 
     @torch.no_grad()
     def follow_modules(self, model: nn.Module) -> dict[str, str]:
@@ -635,7 +660,31 @@ class ParamGates(nn.Module):
         return out
 
     def _refresh(self, module, args):
-        self.assemble()
+        if not self.per_module:
+            self.assemble()
+            return
+        self._step = {}
+        self._gcache: dict[str, torch.Tensor] = {}
+        root = [i for i, item in enumerate(self._plan)
+                if any(m is module for m, _ in item[4])]
+        self._load(root)
+
+    def _load(self, idx) -> None:
+        """``per_module``: mixes the parameters ``idx`` of the plan unless this step has them,
+        and sets them on every module owning them."""
+        for i in idx:
+            if i in self._step:
+                continue
+            pname, shape, t, dtype, owners, links, full, simple = self._plan[i]
+            # inside a checkpointed layer, what the mixing saves for its backward is kept as
+            # it is: the recomputation finds the step's tensor and mixes nothing, and
+            # checkpointing must see the same saved tensors in both passes
+            with torch.autograd.graph.saved_tensors_hooks(_same, _same):
+                w = self._param(pname, shape, t, dtype, links, full, simple,
+                                getattr(self, "_gcache", {}))
+            self._step[i] = w
+            for mod, attr in owners:
+                setattr(mod, attr, w)
 
     def assemble(self) -> None:
         """Recomputes every gated HF parameter from the gates and sets it on its modules."""
@@ -654,6 +703,10 @@ class ParamGates(nn.Module):
         base = None if full else getattr(self.base, _key(pname))
         dev = self.mixed[_key(links[0][0])].logits.device
         return assemble_param(shape, t, links, mixed, base, dtype, dev, simple)
+
+
+def _same(x):
+    return x
 
 
 def assemble_param(shape, transpose: bool, links, get, base, dtype, device,
@@ -721,7 +774,8 @@ def install_param_gates(model: nn.Module, tmap, candidates: Mapping[str, torch.T
                         menus: Mapping[str, Sequence[str]] | None = None,
                         init: str = "uniform", init_bpw: float | None = None,
                         init_strength: float = 2.0, freeze: bool = True,
-                        stores: Mapping[str, nn.Module] | None = None
+                        stores: Mapping[str, nn.Module] | None = None,
+                        per_module: bool | None = None
                         ) -> dict[str, MixedWeight]:
     """Gates on any HF parameter: every selectable GGUF tensor of ``tmap`` (a
     :class:`voodoo.tensormap.TensorMap`) gets a :class:`MixedWeight` over its candidates, and
@@ -740,6 +794,7 @@ def install_param_gates(model: nn.Module, tmap, candidates: Mapping[str, torch.T
         freeze: only the gate logits require grad afterwards.
         stores: gguf_name -> a module holding the candidates elsewhere (quantized, see
             :mod:`voodoo.lazy`), with ``k``, ``shape`` and ``mix_autograd(probs, dtype)``.
+        per_module: :class:`ParamGates`'s; default: on when ``stores`` are given.
 
     Returns gguf_name -> MixedWeight (sorted by name). Raises ValueError on a missing gate, a
     candidate shape that is not the tensor's ``(n_rows, n_per_row)``, or a map of another model.
@@ -762,7 +817,8 @@ def install_param_gates(model: nn.Module, tmap, candidates: Mapping[str, torch.T
             mw.store = store
         out[name] = mw
     out = dict(sorted(out.items()))
-    gates = ParamGates(model, tmap, out)
+    gates = ParamGates(model, tmap, out, per_module=bool(stores) if per_module is None
+                       else per_module)
     model.voodoo_gates = gates
     init_gates(out, init, init_bpw, init_strength)
     if freeze:
