@@ -302,3 +302,31 @@ def test_sigint_during_cli_export_leaves_no_file(tiny_fixed, tmp_path):  # noqa:
     left = sorted(p.name for p in out.iterdir())
     # the stages before export (and the run folder's provenance record), nothing of it
     assert left == ["data", "imatrix.gguf", "provenance.json"], left
+
+
+# ------------------------------------------------------------------------------- serve
+def test_serve_on_a_port_in_use_says_so_and_leaves_the_other_server_alone(tmp_path, capsys):
+    """A second `voodoo serve` on a busy port used to be answered by the first server's
+    /health, print "serving ... at" and then fail with "llama-server exited with code 1",
+    after truncating the first server's log. Now: one line naming the port and --port,
+    before anything starts or any log is opened."""
+    import socket
+
+    from voodoo import cli
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        log = Path(__import__("tempfile").gettempdir()) / f"llama-server-{port}.log"
+        log.write_text("the other server's log\n")
+        try:
+            rc = cli.main(["serve", "--gguf", str(gguf), "--port", str(port)])
+            out, err = capsys.readouterr()
+            line = error_line(rc, err, "serve")
+            assert f"127.0.0.1:{port} is already in use" in line and "--port" in line
+            assert "serving" not in out
+            assert log.read_text() == "the other server's log\n"
+        finally:
+            log.unlink()

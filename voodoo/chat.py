@@ -30,7 +30,7 @@ from pathlib import Path
 from .llamacpp import tool_path
 
 __all__ = ["ChatError", "generate", "side_by_side", "Reply", "LlamaServer", "complete",
-           "free_port", "has_chat_template"]
+           "free_port", "port_in_use", "has_chat_template"]
 
 
 class ChatError(RuntimeError):
@@ -137,6 +137,23 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
+def port_in_use(host: str, port: int) -> bool:
+    """Whether something already listens on ``host:port`` (binding it fails). Checked before
+    llama-server starts: otherwise another server on that port would answer ``/health`` and be
+    taken for the new one."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    except OSError:
+        return False                      # an unknown host: llama-server says so itself
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # as servers bind
+        try:
+            s.bind((host, int(port)))
+        except OSError:
+            return True
+    return False
+
+
 class LlamaServer:
     """``llama-server -m GGUF --host HOST --port PORT`` as a context manager.
 
@@ -178,6 +195,10 @@ class LlamaServer:
 
     def start(self, timeout: float = 120.0) -> "LlamaServer":
         """Starts the server and waits for ``/health`` (see the class docstring)."""
+        if port_in_use(self.host, self.port):
+            raise ChatError(f"{self.host}:{self.port} is already in use (another voodoo serve "
+                            f"or llama-server?): pick a free port (voodoo serve --port N) or "
+                            f"stop that server")
         args = self.command()
         if self.log is None:
             fd, name = tempfile.mkstemp(prefix="llama-server.", suffix=".log")
