@@ -204,3 +204,14 @@ def test_predict_memory_against_h200_and_stores(tiny_setup):
                          vocab=151936, tokens=8192, chunked_loss=False)
     assert p14["total"] / gib > 139.8  # it ran out of memory on the H200
     assert p14["candidates"] / gib < 55  # vs 156 GiB of dense bf16 candidates
+    # since: the chunked distillation loss and per-module mixing (h200_single_3b_eager_vs_lazy
+    # and h200_single_14b_lazy_ckpt_q8teacher.json): whole-step peaks
+    for lazy, measured in ((False, 82.1), (True, 58.6)):
+        p = predict_memory(s3, m3, lazy=lazy, **k3)
+        print(format_memory(p, int(measured * gib)))
+        assert abs(p["total"] / gib - measured) < 0.05 * measured, (lazy, p)
+    p14 = predict_memory(s14, {n: menu6 for n in s14}, lazy=True, checkpointing=True,
+                         teacher_quant="Q8_0", n_params=13990384640, n_layers=40, hidden=5120,
+                         intermediate=17408, vocab=151936, tokens=8192)
+    print(format_memory(p14, int(106.6 * gib)))
+    assert abs(p14["total"] / gib - 106.6) < 0.05 * 106.6, p14

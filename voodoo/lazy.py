@@ -497,10 +497,13 @@ def predict_memory(shapes, menus, *, n_params: int, n_layers: int, hidden: int,
     The activation estimate is ``tokens x 2 bytes x (8 hidden + 5 intermediate)`` a layer kept
     for the backward (a Llama-style layer under SDPA attention), or with checkpointing
     ``tokens x hidden x 2`` a layer plus one layer in full. Calibrated on an H200
-    (``benchmarks/results/lazy_student/``, K = 6, 8192 tokens, bf16): a whole step of the
-    3.2B shape predicted 103.3 GiB eager / 79.6 lazy, measured 104.8 / 81.3; the 14B shape
-    checkpointed, lazy, bf16 teacher: predicted 143 GiB, and it ran out of the H200's 139.8.
-    Estimates, not bounds: allocator slack and the backward's temporaries come on top."""
+    (``benchmarks/results/lazy_student/``, K = 6, 8192 tokens, bf16), whole steps with the
+    chunked distillation loss and a lazy student mixing per module: 3.2B shape predicted
+    82.8 GiB eager / 59.1 lazy, measured 82.1 / 58.6; 14B shape checkpointed, lazy, Q8_0
+    teacher: predicted 106.3, measured 106.6. (Before the chunked loss, ``chunked_loss=False``:
+    3.2B 103.3 / 79.6 predicted, 104.8 / 81.3 measured; 14B with a bf16 teacher 143, out of
+    the H200's 139.8.) Estimates, not bounds: allocator slack and the backward's temporaries
+    come on top."""
     from .quants import tensor_nbytes
     isz = dtype.itemsize
     if lazy:
@@ -517,9 +520,9 @@ def predict_memory(shapes, menus, *, n_params: int, n_layers: int, hidden: int,
     logits = tokens * vocab * (2 + 2 + 6 * 4)
     from .train import DISTILL_CHUNK_ELEMENTS
     if chunked_loss and tokens * vocab > DISTILL_CHUNK_ELEMENTS:
-        # bf16 student and teacher logits, the logits' gradient (chunks, then joined), and
-        # one chunk's float32 temporaries
-        logits = tokens * vocab * (2 + 2 + 2 * 2) + 6 * 4 * DISTILL_CHUNK_ELEMENTS
+        # bf16 student and teacher logits and the logits' gradient, and about two float32
+        # copies of one chunk (H200: 6.2 GiB at 8192 x 128256 measured, 6.9 predicted)
+        logits = tokens * vocab * (2 + 2 + 2) + 2 * 4 * DISTILL_CHUNK_ELEMENTS
     out = {"candidates": int(cand), "student": int(student), "teacher": int(teacher),
            "activations": int(act), "logits": int(logits)}
     out["total"] = sum(out.values())
