@@ -133,6 +133,9 @@ class ShardedMixedWeight(MixedWeight):
 
     @property
     def shard_shape(self) -> tuple[int, int]:
+        store = getattr(self, "store", None)
+        if store is not None:
+            return tuple(store.shape2d)
         return tuple(self.candidates.shape[1:])
 
     def probs(self) -> torch.Tensor:
@@ -146,6 +149,9 @@ class ShardedMixedWeight(MixedWeight):
     def weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """This rank's shard of the mixed weight (shard_shape), detached."""
         p = torch.softmax(self.logits / self.temperature, dim=0)
+        store = getattr(self, "store", None)
+        if store is not None:
+            return store.mix(p, dtype).reshape(store.shape2d)
         return torch.tensordot(p.to(self.candidates.dtype), self.candidates, dims=1).to(dtype)
 
     def extra_repr(self) -> str:
@@ -299,13 +305,21 @@ def _shard_linear(m: nn.Module, mode: str, tp: TPGroup) -> ParallelLinear:
     if isinstance(m, MixedQuantLinear):
         full = m.mixed
         n_rows, n_per_row = full.shape
+        store = getattr(full, "store", None)
         if mode == "column":
             a, b = shard_bounds(n_rows, tp)
-            shard = full.candidates[:, a:b].clone()
         else:
             a, b = shard_bounds(n_per_row, tp)
+        if store is not None:  # lazy: a copy of this shard's ggml blocks only
+            sub = store.narrow(0 if mode == "column" else 1, a, b - a)
+            shard = torch.empty(full.k, 0, 0, device=full.logits.device)
+        elif mode == "column":
+            shard = full.candidates[:, a:b].clone()
+        else:
             shard = full.candidates[:, :, a:b].clone()
         mw = ShardedMixedWeight(full, shard, tp, mode)
+        if store is not None:
+            mw.store = sub
         bias = m.bias
         inner = MixedQuantLinear(mw, bias[a:b] if (bias is not None and mode == "column")
                                  else None)

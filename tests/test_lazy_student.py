@@ -215,3 +215,22 @@ def test_predict_memory_against_h200_and_stores(tiny_setup):
                          intermediate=17408, vocab=151936, tokens=8192)
     print(format_memory(p14, int(106.6 * gib)))
     assert abs(p14["total"] / gib - 106.6) < 0.05 * 106.6, p14
+
+
+def test_lazy_tp_student_matches_eager(tiny_setup):
+    """build_student_tp(lazy=True): the cache's bytes with rows put in HF order (attn_q/attn_k
+    are row-permuted by the converter) give the dense TP student's logits; the sharding itself
+    is tests/cluster/test_tp_lazy.py's."""
+    from voodoo.pipeline import Context, build_student_tp
+    from voodoo.train import _logits
+    ctx, menus, keys, cache, pristine, blocks = tiny_setup
+    out = {}
+    for lazy in (False, True):
+        c = Context(ctx.prepared, ctx.tmap, copy.deepcopy(pristine), None, ctx.adapter)
+        mixed = build_student_tp(c, menus, keys, cache, lazy=lazy)
+        _random_logits(mixed, 3)
+        with torch.no_grad():
+            out[lazy] = _logits(c.model, blocks[:2])
+        if lazy:
+            assert all(mw.candidates.numel() == 0 for mw in mixed.values())
+    torch.testing.assert_close(out[True], out[False], rtol=1e-5, atol=1e-5)

@@ -234,6 +234,9 @@ class MixedWeight(nn.Module):
     @torch.no_grad()
     def weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The current mixed weight (n_rows, n_per_row), detached (for inspection)."""
+        store = getattr(self, "store", None)
+        if store is not None:
+            return store.mix(self.probs(), dtype).reshape(store.shape2d)
         return _mix(self.probs(), self.candidates, dtype)
 
     def extra_repr(self) -> str:
@@ -283,6 +286,9 @@ class MixedQuantLinear(nn.Module):
         return self.mixed.expected_bytes()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if getattr(self.mixed, "store", None) is not None:  # lazy: candidates as ggml bytes
+            return F.linear(x, mix_weight(self.mixed, x.dtype),
+                            None if self.bias is None else self.bias.to(x.dtype))
         return _MixLinearFn.apply(x, self.mixed.probs(), self.mixed.candidates, self.bias)
 
     def extra_repr(self) -> str:
@@ -328,6 +334,8 @@ class MixedQuantEmbedding(nn.Module):
         return self.mixed.expected_bytes()
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if getattr(self.mixed, "store", None) is not None:  # lazy: the whole table is mixed
+            return F.embedding(ids, mix_weight(self.mixed, self.dtype))
         return _MixEmbeddingFn.apply(ids, self.mixed.probs(), self.mixed.candidates, self.dtype)
 
     def extra_repr(self) -> str:
@@ -361,7 +369,8 @@ def install_gates(model: nn.Module, specs, candidates: Mapping[str, torch.Tensor
                   bytes_table: Mapping[str, Sequence[int]], *,
                   menus: Mapping[str, Sequence[str]] | None = None, init: str = "uniform",
                   init_bpw: float | None = None, init_strength: float = 2.0,
-                  freeze: bool = True) -> dict[str, MixedWeight]:
+                  freeze: bool = True, stores: Mapping[str, nn.Module] | None = None
+                  ) -> dict[str, MixedWeight]:
     """Replaces the selectable modules of a HF model by gated mixed-quant modules, in place.
 
     Args:
@@ -375,6 +384,9 @@ def install_gates(model: nn.Module, specs, candidates: Mapping[str, torch.Tensor
         menus: optional gguf_name -> K type names (kept on the MixedWeight for reporting).
         init, init_bpw, init_strength: gate initialisation, see :func:`init_gates`.
         freeze: set ``requires_grad=False`` on every parameter except the gate logits.
+        stores: gguf_name -> candidates held elsewhere, HF layout (``--lazy``: a
+            :class:`voodoo.lazy.QuantizedCandidates` of ggml bytes, mixed whole on each call
+            through :func:`mix_weight`); ``candidates`` may then omit those names.
 
     Returns gguf_name -> MixedWeight (sorted by name).
 
@@ -385,10 +397,14 @@ def install_gates(model: nn.Module, specs, candidates: Mapping[str, torch.Tensor
     out: dict[str, MixedWeight] = {}
     for spec in specs:
         name = _field(spec, "gguf_name")
-        if name not in candidates:
+        store = (stores or {}).get(name)
+        if store is None and name not in candidates:
             raise ValueError(f"no candidates for selectable tensor {name}")
-        mw = MixedWeight(candidates[name], bytes_table[name], name,
-                         None if menus is None else menus[name])
+        cand = (candidates[name] if store is None
+                else torch.empty(store.k, 0, 0, device=getattr(store, "device", None)))
+        mw = MixedWeight(cand, bytes_table[name], name, None if menus is None else menus[name])
+        if store is not None:
+            mw.store = store
         modules = [_field(spec, "module_name")] + list(_field(spec, "tied_to", None) or [])
         for mod_name in modules:
             try:

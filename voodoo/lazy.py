@@ -277,6 +277,15 @@ class QuantizedCandidates(torch.nn.Module):
             out.append(b.clone(memory_format=torch.contiguous_format))
         return QuantizedCandidates(out, self.types, shape, self.tile_elements, self.compile)
 
+    def take_rows(self, index) -> "QuantizedCandidates":
+        """The candidates with their rows (``shape2d``'s) in the order ``index`` (e.g. GGUF
+        rows put back in HF order): a copy of those rows' bytes, shape ``(len(index),
+        n_per_row)``. Rows are quantized independently, so this is exact."""
+        idx = torch.as_tensor(index, dtype=torch.long, device=self.device)
+        out = [self.blocks(k).index_select(0, idx) for k in range(self.k)]
+        return QuantizedCandidates(out, self.types, (int(idx.numel()), self.n_per_row),
+                                   self.tile_elements, self.compile)
+
     def extra_repr(self) -> str:
         return (f"shape={self.shape}, types={list(self.types)}, "
                 f"nbytes={self.nbytes}, tile_rows={self.tile_rows}")
