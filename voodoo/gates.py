@@ -685,9 +685,11 @@ class ParamGates(nn.Module):
                 if any(m is module for m, _ in item[4])]
         self._load(root)
 
+    @torch._dynamo.disable
     def _load(self, idx) -> None:
         """``per_module``: mixes the parameters ``idx`` of the plan unless this step has them,
-        and sets them on every module owning them."""
+        and sets them on every module owning them (outside ``torch.compile``'s graphs, like
+        the lazy mix itself)."""
         for i in idx:
             if i in self._step:
                 continue
