@@ -157,6 +157,35 @@ def test_resume_reproduces_uninterrupted_run(tmp_path):
     assert bake(resumed.gates, menus, nbytes, budget) == bake(full.gates, menus, nbytes, budget)
 
 
+def test_ctrl_c_between_journal_saves_keeps_the_finished_steps(tmp_path, capsys):
+    """Ctrl-C after step 5 with the journal last written at step 3 (interval 3): the journal
+    is written with step 5 on the way out (it used to keep step 3: with the CLI's default
+    interval of 10, a Ctrl-C lost up to 9 finished steps), and the rerun ends with the gates
+    of an uninterrupted run."""
+    student, teacher, _, _ = gated_llama()
+    full = train_gates(student, teacher, blocks(), cfg(), tmp_path / "a", progress=False)
+
+    def ctrl_c(step, _):
+        if step == 5:
+            raise KeyboardInterrupt
+
+    student, teacher, _, _ = gated_llama()
+    with pytest.raises(KeyboardInterrupt):
+        train_gates(student, teacher, blocks(), cfg(), tmp_path / "b", progress=False,
+                    callback=ctrl_c)
+    assert "holds step 5 of 8" in capsys.readouterr().err
+    st = torch.load(tmp_path / "b" / JOURNAL_NAME, weights_only=True)
+    assert st["step"] == 5 and len(st["history"]) == 5
+    seen = []
+    student, teacher, _, _ = gated_llama()
+    resumed = train_gates(student, teacher, blocks(), cfg(), tmp_path / "b", progress=False,
+                          callback=lambda step, _: seen.append(step))
+    assert seen == [6, 7, 8]
+    for n in full.gates:
+        assert torch.equal(resumed.gates[n], full.gates[n]), n
+    assert [h["loss"] for h in resumed.history] == [h["loss"] for h in full.history]
+
+
 def test_corrupt_journal_raises_and_is_kept(tmp_path):
     student, teacher, _, _ = gated_llama()
     (tmp_path / JOURNAL_NAME).write_bytes(b"not a torch file")

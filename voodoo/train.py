@@ -29,10 +29,12 @@ step. Only rank 0 writes the journal.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import os
 import random
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -477,19 +479,25 @@ def train_gates(student: nn.Module, teacher, train_blocks: torch.Tensor, cfg: Tr
         if journal is not None and rank == 0:
             journal.parent.mkdir(parents=True, exist_ok=True)
 
-    def save():
+    def state() -> dict:
+        """The journal's content now (copies: the optimizer's tensors change in place)."""
+        return {"version": CONFIG_VERSION, "config": cfg.to_dict(), "step": step,
+                "gates": gate_state(student), "optimizer": copy.deepcopy(optimizer.state_dict()),
+                "rng": _rng_state(), "history": list(history), "budget_bytes": int(budget)}
+
+    def save(obj: dict | None = None):
         if journal is None or rank != 0:
             return
-        _save_journal(journal, {
-            "version": CONFIG_VERSION, "config": cfg.to_dict(), "step": step,
-            "gates": gate_state(student), "optimizer": optimizer.state_dict(),
-            "rng": _rng_state(), "history": history, "budget_bytes": int(budget)})
+        _save_journal(journal, obj if obj is not None else state())
 
     end = cfg.max_steps if stop_after is None else min(cfg.max_steps, stop_after)
     bar = None
     if progress and rank == 0 and step < end:
         from tqdm.auto import tqdm
         bar = tqdm(total=cfg.max_steps, initial=step, desc="gates", dynamic_ncols=True)
+    # Ctrl-C between two journal saves: the state after the last completed step (kept in
+    # memory, a few KB of gate logits and Adam moments) is written, so no finished step is lost
+    saved_step, last = step, None
     try:
         while step < end:
             idx = batch_indices(step, len(train_blocks), cfg.batch_size, cfg.seed)
@@ -501,12 +509,25 @@ def train_gates(student: nn.Module, teacher, train_blocks: torch.Tensor, cfg: Tr
             step += 1
             if step % cfg.partial_save_interval == 0 or step == end:
                 save()
+                saved_step = step
+            elif journal is not None and rank == 0:
+                last = state()
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(loss=f"{m['loss']:.4f}", kl=f"{m['kl']:.4f}",
                                 size=f"{m['size_ratio']:.4f}", T=f"{m['temperature']:.3g}")
             if callback is not None:
                 callback(step, m)
+    except KeyboardInterrupt:
+        if last is not None and last["step"] > saved_step:
+            if bar is not None:
+                bar.close()
+                bar = None
+            save(last)
+            print(f"[voodoo] interrupted: the journal {journal} holds step {last['step']} of "
+                  f"{cfg.max_steps}; rerun the same command to continue from there",
+                  file=sys.stderr, flush=True)
+        raise
     finally:
         if bar is not None:
             bar.close()
