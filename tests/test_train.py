@@ -181,6 +181,15 @@ def test_ctrl_c_between_journal_saves_keeps_the_finished_steps(tmp_path, capsys)
     resumed = train_gates(student, teacher, blocks(), cfg(), tmp_path / "b", progress=False,
                           callback=lambda step, _: seen.append(step))
     assert seen == [6, 7, 8]
+    student, teacher, _, _ = gated_llama()
+    with pytest.raises(KeyboardInterrupt):   # the rerun says where it resumes
+        train_gates(student, teacher, blocks(), cfg(max_steps=9), tmp_path / "c",
+                    progress=True, callback=ctrl_c)
+    capsys.readouterr()
+    student, teacher, _, _ = gated_llama()
+    train_gates(student, teacher, blocks(), cfg(max_steps=9), tmp_path / "c", progress=True,
+                stop_after=6)
+    assert "resuming from" in capsys.readouterr().err
     for n in full.gates:
         assert torch.equal(resumed.gates[n], full.gates[n]), n
     assert [h["loss"] for h in resumed.history] == [h["loss"] for h in full.history]

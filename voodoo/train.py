@@ -472,6 +472,9 @@ def train_gates(student: nn.Module, teacher, train_blocks: torch.Tensor, cfg: Tr
                                       f"kept; delete it or pass a fresh output directory.") from e
         _set_rng_state(st["rng"])
         step, history = int(st["step"]), list(st["history"])
+        if progress and rank == 0 and step < cfg.max_steps:
+            print(f"[voodoo] resuming from {journal}: step {step} of {cfg.max_steps} done",
+                  file=sys.stderr, flush=True)
     else:
         start_gates(mws, cfg, budget, init_logits, student=student, teacher=teacher,
                     blocks=train_blocks)
