@@ -96,7 +96,8 @@ class QuantizeActor:
         """``{"node_id", "pid", "worker"}``."""
         return {"node_id": self.node_id, "pid": os.getpid(), "worker": self.worker}
 
-    def quantize(self, w: np.ndarray, gguf_name: str, key_meta: dict, write: bool = False):
+    def quantize(self, w: np.ndarray, gguf_name: str, key_meta: dict, write: bool = False,
+                 hessian: np.ndarray | None = None):
         """Quantizes ``w`` (float32 (n_rows, n_per_row), read-only is fine) for the key
         ``key_meta`` (:meth:`CandidateKey.to_meta`).
 
@@ -111,7 +112,11 @@ class QuantizeActor:
         key = CandidateKey.from_meta(key_meta)
         im = None if key.imatrix_sha256 == "none" else self.imatrix[key.imatrix_sha256]
         t0 = time.perf_counter()
-        data = quantize_candidate(w, key.type_name, im, gguf_name, n_threads=self.n_threads)
+        if (hessian is None) != (key.rounding == "ggml"):
+            raise ValueError(f"{gguf_name}: key rounding {key.rounding!r} but "
+                             f"{'no' if hessian is None else 'a'} Hessian given")
+        data = quantize_candidate(w, key.type_name, im, gguf_name, n_threads=self.n_threads,
+                                  hessian=hessian)
         info = {"node_id": self.node_id, "pid": os.getpid(), "worker": self.worker,
                 "seconds": f"{time.perf_counter() - t0:.6f}"}
         if write:
@@ -249,6 +254,7 @@ def precache_ray(jobs: Iterable, cache: CandidateCache, max_workers: int | None 
     # weights: put lazily, freed after the tensor's last job
     remaining = Counter(k.weights_sha256 for _, k in todo)
     wrefs: dict[str, ray.ObjectRef] = {}
+    hrefs: dict[str, ray.ObjectRef] = {}  # rounding tag -> the Hessian, put once
 
     def release(sha: str) -> None:
         remaining[sha] -= 1
@@ -313,8 +319,13 @@ def precache_ray(jobs: Iterable, cache: CandidateCache, max_workers: int | None 
                 sha = key.weights_sha256
                 if sha not in wrefs:
                     wrefs[sha] = ray.put(np.ascontiguousarray(job.weights))
+                href = None
+                if job.hessian is not None:
+                    if key.rounding not in hrefs:
+                        hrefs[key.rounding] = ray.put(np.ascontiguousarray(job.hessian))
+                    href = hrefs[key.rounding]
                 ref = slot.actor.quantize.remote(wrefs[sha], job.gguf_name, key.to_meta(),
-                                                 actors_write)
+                                                 actors_write, href)
                 slot.inflight += 1
                 inflight[ref] = (task, slot)
             if not inflight:

@@ -48,7 +48,7 @@ __all__ = [
     "CandidateKey", "CandidateJob", "CandidateCache", "CorruptCandidate",
     "CorruptCandidateWarning", "PrecacheResult", "candidate_key", "weights_sha256",
     "imatrix_sha256", "effective_imatrix", "quantize_candidate", "to_arrow", "from_arrow",
-    "plan_precache", "precache_local", "FORMAT_VERSION",
+    "plan_precache", "precache_local", "FORMAT_VERSION", "rounding_tag", "GPTQ_DAMP",
 ]
 
 log = logging.getLogger(__name__)
@@ -80,6 +80,8 @@ class CandidateKey:
         imatrix_sha256: hex sha256 of the float32 imatrix row actually used, or ``"none"``.
         llama_cpp_commit: the llama.cpp commit whose libggml writes the bytes.
         n_rows, n_per_row: the tensor's shape (also folded into ``weights_sha256``).
+        rounding: ``"ggml"`` (llama-quantize's own bytes) or ``"gptq:<damp>:<sha256 of H>"``
+            (error-feedback rounding with the input Hessian H, :mod:`voodoo.rounding`).
     """
 
     weights_sha256: str
@@ -88,13 +90,16 @@ class CandidateKey:
     llama_cpp_commit: str
     n_rows: int
     n_per_row: int
+    rounding: str = "ggml"
 
     @property
     def digest(self) -> str:
         """hex sha256 over all fields: the candidate's file name."""
-        s = "|".join(str(v) for v in (FORMAT_VERSION, self.weights_sha256, self.type_name,
-                                        self.imatrix_sha256, self.llama_cpp_commit,
-                                        self.n_rows, self.n_per_row))
+        fields = [FORMAT_VERSION, self.weights_sha256, self.type_name, self.imatrix_sha256,
+                  self.llama_cpp_commit, self.n_rows, self.n_per_row]
+        if self.rounding != "ggml":  # llama-quantize's bytes keep their file names
+            fields.append(self.rounding)
+        s = "|".join(str(v) for v in fields)
         return hashlib.sha256(s.encode()).hexdigest()
 
     @property
@@ -112,7 +117,8 @@ class CandidateKey:
         return cls(weights_sha256=str(meta["weights_sha256"]), type_name=str(meta["type_name"]),
                    imatrix_sha256=str(meta["imatrix_sha256"]),
                    llama_cpp_commit=str(meta["llama_cpp_commit"]),
-                   n_rows=int(meta["n_rows"]), n_per_row=int(meta["n_per_row"]))
+                   n_rows=int(meta["n_rows"]), n_per_row=int(meta["n_per_row"]),
+                   rounding=str(meta.get("rounding", "ggml")))
 
 
 def _as_f32_2d(w, what: str = "weights") -> np.ndarray:
@@ -191,8 +197,24 @@ def effective_imatrix(imatrix_row: np.ndarray | None, gguf_name: str | None,
     return row
 
 
+#: GPTQ damping (a fraction of mean(diag H) added to diag H), chosen on held-out calibration
+#: activations of the rotated SmolLM2 (benchmarks/results/rounding/damp_sweep.md).
+GPTQ_DAMP = 0.05
+
+
+def rounding_tag(hessian: np.ndarray | None, type_name=None, damp: float = GPTQ_DAMP) -> str:
+    """The :class:`CandidateKey` ``rounding`` of a candidate made with ``hessian`` (float32
+    (n_per_row, n_per_row)) or without (``"ggml"``). Float types (F16, BF16, F32) have no
+    rounding to improve: always ``"ggml"``."""
+    if hessian is None or (type_name is not None and qtype(type_name).block_size == 1):
+        return "ggml"
+    h = np.ascontiguousarray(hessian, dtype=np.float32)
+    return f"gptq:{damp}:{hashlib.sha256(memoryview(h).cast('B')).hexdigest()[:32]}"
+
+
 def candidate_key(weights: np.ndarray, type_name, imatrix_row: np.ndarray | None,
-                  commit: str | None = None, *, _weights_sha: str | None = None) -> CandidateKey:
+                  commit: str | None = None, *, _weights_sha: str | None = None,
+                  rounding: str = "ggml") -> CandidateKey:
     """The cache key of ``weights`` quantized to ``type_name`` with ``imatrix_row``.
 
     Args:
@@ -212,13 +234,18 @@ def candidate_key(weights: np.ndarray, type_name, imatrix_row: np.ndarray | None
         type_name=qtype(type_name).name,
         imatrix_sha256=imatrix_sha256(imatrix_row),
         llama_cpp_commit=commit or llama_cpp_commit(),
-        n_rows=int(w.shape[0]), n_per_row=int(w.shape[1]))
+        n_rows=int(w.shape[0]), n_per_row=int(w.shape[1]), rounding=rounding)
 
 
 # ---------------------------------------------------------------------------- quantizing
 def quantize_candidate(w: np.ndarray, type_name, imatrix_row: np.ndarray | None,
-                       gguf_name: str | None, n_threads: int | None = None) -> np.ndarray:
-    """Quantizes one tensor to one type exactly as llama-quantize would.
+                       gguf_name: str | None, n_threads: int | None = None,
+                       hessian: np.ndarray | None = None) -> np.ndarray:
+    """Quantizes one tensor to one type exactly as llama-quantize would, or, given the input
+    Hessian ``hessian`` (float32 (n_per_row, n_per_row), ``X^T X`` of the tensor's matmul
+    input), with error-feedback rounding (:func:`voodoo.rounding.quantize_feedback`, damping
+    :data:`GPTQ_DAMP`): valid blocks of the same type that llama.cpp dequantizes as any
+    other, but not the bytes llama-quantize writes.
 
     Args:
         w: float32 (n_rows, n_per_row), GGUF layout (read-only arrays are fine).
@@ -240,6 +267,8 @@ def quantize_candidate(w: np.ndarray, type_name, imatrix_row: np.ndarray | None,
     w = _as_f32_2d(w)
     t = qtype(type_name)
     try:
+        if rounding_tag(hessian, t) != "ggml":
+            return _quantize_feedback(w, t, imatrix_row, gguf_name, hessian)
         return _quantize(w, t, imatrix_row, gguf_name, n_threads)
     except (ValueError, RuntimeError) as e:
         raise _named_error(e, w, t.name, gguf_name) from e
@@ -261,6 +290,35 @@ def _named_error(e: Exception, w: np.ndarray, type_name: str, gguf_name: str | N
                           f"use BF16 for it (voodoo.quants.range_safe_menu; '{who}=bf16' in "
                           f"the tensor-type file)")
     return type(e)(f"{who} as {type_name}: {e}")
+
+
+def _quantize_feedback(w: np.ndarray, t, imatrix_row, gguf_name, hessian) -> np.ndarray:
+    from .rounding import quantize_feedback
+    im = effective_imatrix(imatrix_row, gguf_name, w.shape[1])
+    if im is not None and im.ndim == 2:
+        raise ValueError(f"{gguf_name}: error-feedback rounding takes one imatrix vector, not "
+                         "one per expert; quantize stacked experts with llama-quantize's rounding")
+    h = np.asarray(hessian, dtype=np.float32)
+    if h.shape != (w.shape[1], w.shape[1]):
+        raise ValueError(f"{gguf_name}: Hessian of shape {h.shape} for rows of {w.shape[1]}")
+    if not np.isfinite(w).all():
+        raise ValueError("non-finite weights")
+    return quantize_feedback(w, t.name, im, h, damp=GPTQ_DAMP, u=_inverse_cholesky(h))
+
+
+_U_CACHE: dict[str, np.ndarray] = {}
+
+
+def _inverse_cholesky(h: np.ndarray) -> np.ndarray:
+    """:func:`voodoo.rounding.inverse_hessian_cholesky` of ``h`` at :data:`GPTQ_DAMP`, kept for
+    the last few Hessians (every type of a tensor, and tensors sharing an input, reuse it)."""
+    from .rounding import inverse_hessian_cholesky
+    k = hashlib.sha256(memoryview(np.ascontiguousarray(h)).cast("B")).hexdigest()
+    if k not in _U_CACHE:
+        if len(_U_CACHE) >= 4:
+            _U_CACHE.pop(next(iter(_U_CACHE)))
+        _U_CACHE[k] = inverse_hessian_cholesky(np.asarray(h, dtype=np.float64), damp=GPTQ_DAMP)
+    return _U_CACHE[k]
 
 
 def _quantize(w: np.ndarray, t, imatrix_row, gguf_name, n_threads) -> np.ndarray:
@@ -486,12 +544,15 @@ class CandidateJob(NamedTuple):
         weights: float32 (n_rows, n_per_row), GGUF layout (from the base F32 GGUF).
         type_name: ggml type to write.
         imatrix_row: float32 (n_per_row,) or None.
+        hessian: float32 (n_per_row, n_per_row) input Hessian for error-feedback rounding, or
+            None (llama-quantize's bytes).
     """
 
     gguf_name: str
     weights: np.ndarray
     type_name: str
     imatrix_row: np.ndarray | None
+    hessian: np.ndarray | None = None
 
 
 class PrecacheResult(dict):
@@ -539,6 +600,7 @@ def plan_precache(jobs: Iterable, cache: CandidateCache, verify: bool = True
     todo: list[tuple[CandidateJob, CandidateKey]] = []
     seen: set[CandidateKey] = set()
     wsha: dict[int, tuple[np.ndarray, str]] = {}  # id(weights) -> (weights, sha): hash once
+    htag: dict[int, tuple[np.ndarray, str]] = {}  # id(hessian) -> (hessian, rounding tag)
     for j in jobs:
         j = CandidateJob(*j)
         w = _as_f32_2d(j.weights, f"weights of {j.gguf_name}")
@@ -546,7 +608,11 @@ def plan_precache(jobs: Iterable, cache: CandidateCache, verify: bool = True
             wsha[id(j.weights)] = (j.weights, weights_sha256(w))
         t = qtype(j.type_name).name
         im = effective_imatrix(j.imatrix_row, j.gguf_name, w.shape[1])
-        key = candidate_key(w, t, im, _weights_sha=wsha[id(j.weights)][1])
+        if j.hessian is not None and id(j.hessian) not in htag:
+            htag[id(j.hessian)] = (j.hessian, rounding_tag(j.hessian))
+        rnd = "ggml" if j.hessian is None or qtype(t).block_size == 1 \
+            else htag[id(j.hessian)][1]
+        key = candidate_key(w, t, im, _weights_sha=wsha[id(j.weights)][1], rounding=rnd)
         key.row_size  # raises ValueError now for a type the row length does not fit
         if im is None and requires_imatrix(t, j.gguf_name):
             raise ValueError(f"{t} needs an importance matrix for {j.gguf_name!r} "
@@ -559,7 +625,8 @@ def plan_precache(jobs: Iterable, cache: CandidateCache, verify: bool = True
         if cached:
             result.hits += 1
         else:
-            todo.append((CandidateJob(j.gguf_name, j.weights, t, im), key))
+            todo.append((CandidateJob(j.gguf_name, j.weights, t, im,
+                                      None if rnd == "ggml" else j.hessian), key))
     result.misses = len(todo)
     return result, todo
 
@@ -602,7 +669,7 @@ def precache_local(jobs: Iterable, cache: CandidateCache, progress: bool = True,
             if bar is not None:
                 bar.set_postfix_str(f"{job.gguf_name} {key.type_name}", refresh=False)
             data = quantize_candidate(job.weights, key.type_name, job.imatrix_row,
-                                      job.gguf_name, n_threads=n_threads)
+                                      job.gguf_name, n_threads=n_threads, hessian=job.hessian)
             cache.put(key, data, job.gguf_name)
             if bar is not None:
                 bar.update(1)

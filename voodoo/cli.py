@@ -83,6 +83,12 @@ def _menu_flags(ap):
                                                       "candidates, or $VOODOO_CACHE)")
     ap.add_argument("--no_ray", action="store_true",
                     help="quantize candidates in this process instead of Ray actors")
+    ap.add_argument("--rounding", choices=["ggml", "gptq"], default="ggml",
+                    help="candidate bytes: 'ggml' = llama-quantize's own (the tensor-type file "
+                         "reproduces the export); 'gptq' = error-feedback rounding with each "
+                         "matmul input's Hessian from the calibration blocks (valid blocks of "
+                         "the same types, run by stock llama.cpp; the tensor-type file then "
+                         "covers only the tensors it names). Default ggml")
 
 
 def _budget_flags(ap):
@@ -304,9 +310,11 @@ def _print_recipe(gguf: Path, base_gguf: Path, imatrix) -> None:
     tt = Path(gguf).with_suffix(".tensor-types.txt")
     print(f"talk to it:  voodoo chat --gguf {gguf} --reference")
     if tt.is_file():
+        from .llamacpp import tool_command
         im = f"--imatrix {imatrix} " if imatrix else ""
         print(f"the same tensors with stock llama-quantize (F32 base {base_gguf}):\n"
-              f"  llama-quantize {im}--tensor-type-file {tt} {base_gguf} out.gguf Q8_0")
+              f"  {tool_command('llama-quantize')} {im}--tensor-type-file {tt} {base_gguf} "
+              "out.gguf Q8_0")
 
 
 def _out_dir(a, ctx=None) -> Path:
@@ -569,7 +577,22 @@ class Run:
             if not a.imatrix and calib is not None:
                 from .provenance import record
                 record(self.out, "imatrix.gguf", self.imatrix_inputs())
+        self.hessians = None
+        if getattr(a, "rounding", "ggml") == "gptq":
+            self.hessians = self.input_hessians()
         return self.im
+
+    def input_hessians(self):
+        """``--rounding gptq``: the input Hessians (``<output_dir>/hessians.npz``), made from
+        the same calibration blocks as the imatrix and reused while those match."""
+        from .pipeline import ensure_hessians
+        from .provenance import tokens_sha256
+        if getattr(self, "train_blocks", None) is None:
+            self.data()
+        calib = self.train_blocks[: self.a.imatrix_blocks]
+        inputs = {"model": self.model_id(), "tokens": tokens_sha256(calib)}
+        with self.timer("input Hessians"):
+            return ensure_hessians(self.ctx, self.out / "hessians.npz", calib, inputs)
 
     def candidates(self):
         from .pipeline import ensure_candidates, make_menus
@@ -581,7 +604,8 @@ class Run:
         self.cache = _cache(a)
         with self.timer("candidates (libggml)"):
             self.keys = ensure_candidates(self.ctx, self.menus, self.im, self.cache,
-                                          _precache_fn(a))
+                                          _precache_fn(a),
+                                          hessians=getattr(self, "hessians", None))
         return self.keys
 
     def train_config(self):
@@ -622,6 +646,8 @@ class Run:
             cache_dir=str(self.cache.root), train_blocks=self.train_blocks,
             eval_blocks=self.eval_blocks, teacher_quant=a.teacher_quant,
             teacher_checkpoint=a.teacher_checkpoint, dtype=a.dtype, budget=int(self.budget),
+            hessians=(str(self.out / "hessians.npz")
+                      if getattr(self, "hessians", None) is not None else None),
             lazy=a.lazy)
 
     def training_inputs(self) -> dict:
@@ -640,6 +666,8 @@ class Run:
         if getattr(self, "menus", None) is not None:
             inputs["menus"] = hashlib.sha256(json.dumps(
                 {k: list(v) for k, v in sorted(self.menus.items())}).encode()).hexdigest()
+        if getattr(self.a, "rounding", "ggml") != "ggml":
+            inputs["rounding"] = self.a.rounding
         return inputs
 
     def check_training_state(self, artifact: str, what: str, record_it: bool = True) -> None:
@@ -1146,7 +1174,8 @@ def _export(argv):
     _check_assignment_imatrix(a, asg, r)
     menus = {n: [v["type"]] for n, v in asg["tensors"].items()}
     r.cache = _cache(a)
-    keys = ensure_candidates(r.ctx, menus, r.im, r.cache, _precache_fn(a))
+    keys = ensure_candidates(r.ctx, menus, r.im, r.cache, _precache_fn(a),
+                             hessians=getattr(r, "hessians", None))
     stem = a.output_name or Path(a.assignment).name.removesuffix(".assignment.json")
     p = export(r.ctx, asg, keys, r.cache, r.out / f"{stem}.gguf",
                extra_kv=_provenance(a, asg, r.ctx.prepared))
@@ -1245,7 +1274,8 @@ def _eval_torch(a) -> dict:
         raise UsageError(f"the assignment does not cover {missing[0]} (and "
                          f"{len(missing) - 1} more): was it made for another model?")
     r.cache = _cache(a)
-    keys = ensure_candidates(r.ctx, menus, r.im, r.cache, _precache_fn(a))
+    keys = ensure_candidates(r.ctx, menus, r.im, r.cache, _precache_fn(a),
+                             hessians=getattr(r, "hessians", None))
     teacher = build_teacher(r.ctx, a.teacher_quant)
     mixed = build_student(r.ctx, menus, keys, r.cache)
     assign_student(mixed, asg)

@@ -116,6 +116,71 @@ def compute_imatrix(model: torch.nn.Module, blocks: torch.Tensor | Sequence[torc
     return sums, counts
 
 
+def compute_hessians(model: torch.nn.Module, blocks: torch.Tensor,
+                     name_map: Mapping[str, str], progress: bool = False
+                     ) -> dict[str, np.ndarray]:
+    """The input Hessian of each mapped ``nn.Linear``: ``H = X^T X / n_tokens`` over the
+    calibration ``blocks`` (LongTensor ``(n_blocks, seq_len)``), for error-feedback rounding
+    (:mod:`voodoo.rounding`).
+
+    ``name_map``: HF ``nn.Linear`` module name -> GGUF name (as for :func:`compute_imatrix`).
+    Modules fed the very same input tensor (e.g. q/k/v of one layer) share one accumulation.
+
+    Returns gguf_name -> float32 ``(in_features, in_features)``. Raises ImatrixError as
+    :func:`compute_imatrix` does. Memory: 4·in_features² bytes per distinct input (float64
+    while accumulating)."""
+    modules = dict(model.named_modules())
+    acc: dict[str, torch.Tensor] = {}
+    alias: dict[str, str] = {}
+    seen_in_step: dict[tuple, str] = {}
+    counts: dict[str, int] = {}
+    handles = []
+
+    def make_hook(gname: str, n_in: int):
+        def hook(_mod, args):
+            x = args[0].detach()
+            sig = (x.data_ptr(), tuple(x.shape), x.dtype)
+            if gname not in alias:  # first call: does it share another module's input?
+                owner = seen_in_step.get(sig)
+                alias[gname] = owner if owner is not None else gname
+            if alias[gname] != gname:
+                return
+            seen_in_step[sig] = gname
+            x = x.reshape(-1, n_in).to(torch.float32)
+            acc.setdefault(gname, torch.zeros(n_in, n_in, dtype=torch.float64))
+            acc[gname] += (x.T @ x).to(torch.float64)
+            counts[gname] = counts.get(gname, 0) + x.shape[0]
+        return hook
+
+    for hf_name, gname in name_map.items():
+        mod = modules.get(hf_name)
+        if not isinstance(mod, torch.nn.Linear):
+            raise ImatrixError(f"module {hf_name!r} (for {gname}) is not an nn.Linear")
+        handles.append(mod.register_forward_pre_hook(make_hook(gname, mod.in_features)))
+    rows = blocks if blocks.dim() == 2 else blocks.reshape(1, -1)
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    it = range(rows.shape[0])
+    if progress:
+        from tqdm import tqdm
+        it = tqdm(it, desc="input Hessians", unit="block")
+    try:
+        with torch.no_grad():
+            for i in it:
+                seen_in_step.clear()
+                model(input_ids=rows[i:i + 1].to(device), use_cache=False)
+    finally:
+        for h in handles:
+            h.remove()
+        model.train(was_training)
+    out = {g: (acc[g] / max(counts[g], 1)).to(torch.float32).cpu().numpy() for g in acc}
+    for g, owner in alias.items():
+        if owner != g:
+            out[g] = out[owner]
+    return out
+
+
 def imatrix_from_sums(sums: Mapping[str, np.ndarray],
                       counts: Mapping[str, int | np.ndarray]) -> dict[str, np.ndarray]:
     """The per-column weights llama-quantize uses: ``float32(sums) / float32(counts)``; an entry

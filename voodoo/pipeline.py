@@ -34,7 +34,7 @@ from .tensormap import MapEntry, TensorMap
 
 __all__ = [
     "Context", "Timer", "load_context", "base_weights", "make_menus", "parse_types",
-    "ensure_dataset", "ensure_imatrix", "candidate_jobs", "ensure_candidates",
+    "ensure_dataset", "ensure_imatrix", "ensure_hessians", "candidate_jobs", "ensure_candidates",
     "build_student", "build_teacher", "bytes_table", "selectable_budget", "train",
     "bake_assignment", "export", "assign_student", "StudentFactory", "fisher_prior",
 ]
@@ -284,13 +284,14 @@ def ensure_dataset(ctx: Context, data_dir, source="enwiki", seq_len=512, n_train
 
 
 # ----------------------------------------------------------------------------- imatrix
-def _linear_name_map(ctx: Context) -> dict[str, str] | None:
+def _linear_name_map(ctx: Context, partial: bool = False) -> dict[str, str] | None:
     """HF ``nn.Linear`` module name -> GGUF name, when every selectable tensor is read by
     llama.cpp as a matmul whose input is exactly some Linear's input: its one link reads a
     Linear's weight, not transposed, with the columns in order (then the squared input
     activations of that Linear are the tensor's imatrix). Tied embeddings count through their
     Linear head. None when some tensor is not like that (stacked experts, fused 3-D parameters,
-    column permutations): the imatrix then comes from llama-imatrix itself."""
+    column permutations): the imatrix then comes from llama-imatrix itself. ``partial=True``
+    skips such tensors instead (the map covers the plain ones)."""
     owners: dict[int, list[str]] = {}
     for mname, mod in ctx.model.named_modules():
         if isinstance(mod, torch.nn.Linear):
@@ -299,13 +300,17 @@ def _linear_name_map(ctx: Context) -> dict[str, str] | None:
     out = {}
     for e in ctx.tmap:
         if len(e.links) != 1 or len(e.gguf_shape) != 2:
+            if partial:
+                continue
             return None
         lk = e.links[0]
         if lk.transpose or lk.cols is not None or params[lk.param].dim() != 2:
+            if partial:
+                continue
             return None
         mods = owners.get(id(params[lk.param]))
         if not mods:
-            if e.gguf_name.startswith("token_embd"):
+            if e.gguf_name.startswith("token_embd") or partial:
                 continue  # an embedding without a Linear head is a get_rows: no imatrix entry
             return None
         for m in mods:
@@ -346,9 +351,58 @@ def ensure_imatrix(ctx: Context, path, blocks: torch.Tensor | None = None,
     return read_imatrix(path)
 
 
+# ------------------------------------------------------------------- input Hessians
+def ensure_hessians(ctx: Context, path, blocks: torch.Tensor | None = None,
+                    inputs: dict | None = None) -> dict[str, np.ndarray]:
+    """The input Hessians for ``--rounding gptq``: gguf_name -> float32 (n_per_row,
+    n_per_row) (:func:`voodoo.imatrix.compute_hessians` on the calibration ``blocks``), for
+    every selectable tensor that llama.cpp reads as a plain matmul of some ``nn.Linear``'s
+    input, except ``token_embd`` (also read by get_rows, where the matmul's error weighting
+    does not apply). Saved at ``path`` (``.npz``, atomically) with ``inputs`` (what they were
+    made from, e.g. model and tokens) and reused while ``inputs`` match.
+
+    Raises ValueError when the file is missing or stale and no ``blocks`` are given."""
+    from .imatrix import compute_hessians
+    path = Path(path)
+    want = json.dumps(inputs or {}, sort_keys=True)
+    if path.is_file():
+        got = load_hessians(path, want)
+        if got is not None:
+            return got
+        log(f"{path} was made from other inputs; recomputing it")
+    if blocks is None:
+        raise ValueError("no input Hessians file and no calibration blocks to compute one")
+    names = {m: g for m, g in (_linear_name_map(ctx, partial=True) or {}).items()
+             if not g.startswith("token_embd")}
+    log(f"computing input Hessians of {len(set(names.values()))} tensors on {blocks.shape[0]} "
+        f"x {blocks.shape[1]} calibration tokens")
+    hs = compute_hessians(ctx.model, blocks, names, progress=True)
+    first: dict[int, str] = {}  # tensors sharing one input (q/k/v) share one array
+    alias = {g: first.setdefault(id(h), g) for g, h in hs.items()}
+    tmp = path.with_name(f".{path.name}.partial-{os.getpid()}.npz")
+    np.savez(tmp, __inputs__=np.array(want), __alias__=np.array(json.dumps(alias)),
+             **{g: h for g, h in hs.items() if alias[g] == g})
+    os.replace(tmp, path)
+    return hs
+
+
+def load_hessians(path, inputs: str | None = None) -> dict[str, np.ndarray] | None:
+    """Reads :func:`ensure_hessians`' file: gguf_name -> float32 (n, n); None when
+    ``inputs`` (its JSON) is given and differs from the file's."""
+    with np.load(path, allow_pickle=False) as z:
+        if inputs is not None and str(z["__inputs__"]) != inputs:
+            return None
+        arrays = {k: z[k] for k in z.files if not k.startswith("__")}
+        alias = json.loads(str(z["__alias__"])) if "__alias__" in z.files else {}
+    return {**arrays, **{g: arrays[o] for g, o in alias.items()}}
+
+
 # -------------------------------------------------------------------------- candidates
-def candidate_jobs(ctx: Context, menus, imatrix, weights=None) -> list[CandidateJob]:
-    """One job per (tensor, menu type): weights in GGUF layout from the base F32 GGUF."""
+def candidate_jobs(ctx: Context, menus, imatrix, weights=None,
+                   hessians=None) -> list[CandidateJob]:
+    """One job per (tensor, menu type): weights in GGUF layout from the base F32 GGUF.
+    ``hessians`` (gguf_name -> (n_per_row, n_per_row)): those tensors' candidates get
+    error-feedback rounding (``--rounding gptq``)."""
     weights = weights if weights is not None else base_weights(ctx.prepared.base_gguf,
                                                                names=ctx.tmap.names)
     jobs = []
@@ -357,18 +411,24 @@ def candidate_jobs(ctx: Context, menus, imatrix, weights=None) -> list[Candidate
         if w is None:
             raise KeyError(f"{s.gguf_name} is not an F32 2-D tensor of {ctx.prepared.base_gguf}")
         row = imatrix.get(s.gguf_name) if imatrix else None
+        h = hessians.get(s.gguf_name) if hessians else None
+        if h is not None and (h.shape != (w.shape[1], w.shape[1]) or
+                              (row is not None and np.ndim(row) != 1)):
+            h = None  # stacked experts or another layout: llama-quantize's rounding
         for t in menus[s.gguf_name]:
-            jobs.append(CandidateJob(s.gguf_name, w, t, row))
+            jobs.append(CandidateJob(s.gguf_name, w, t, row, h))
     return jobs
 
 
 def ensure_candidates(ctx: Context, menus, imatrix, cache: CandidateCache,
-                      precache: Callable | None = None) -> dict[tuple[str, str], object]:
+                      precache: Callable | None = None,
+                      hessians=None) -> dict[tuple[str, str], object]:
     """Quantizes every (tensor, menu type) not yet in ``cache``; returns {(name, type): key}.
 
-    ``precache(jobs, cache)``: the executor (Ray actors or :func:`precache_local`)."""
+    ``precache(jobs, cache)``: the executor (Ray actors or :func:`precache_local`).
+    ``hessians``: see :func:`candidate_jobs`."""
     from .candidates import precache_local
-    jobs = candidate_jobs(ctx, menus, imatrix)
+    jobs = candidate_jobs(ctx, menus, imatrix, hessians=hessians)
     run = precache or precache_local
     return dict(run(jobs, cache))
 
@@ -619,9 +679,19 @@ def export(ctx: Context, assignment, keys, cache: CandidateCache, out_path,
             raise RuntimeError(f"candidate {name} as {t} is missing from the cache")
         return data
     out_path = Path(out_path)
+    own = sorted(n for n, v in assignment["tensors"].items()
+                 if getattr(keys.get((n, v["type"])), "rounding", "ggml") != "ggml")
+    if own:
+        extra_kv = {**(extra_kv or {}), "voodoo.rounding": "gptq",
+                    "voodoo.rounding.tensor_count": len(own)}
     p = export_gguf(ctx.prepared.base_gguf, assignment, lookup, out_path, extra_kv=extra_kv)
-    write_tensor_type_file(assignment, out_path.with_suffix(".tensor-types.txt"),
-                           base_gguf=ctx.prepared.base_gguf)
+    tt = write_tensor_type_file(assignment, out_path.with_suffix(".tensor-types.txt"),
+                                base_gguf=ctx.prepared.base_gguf)
+    if own:
+        log(f"{len(own)} of {len(assignment['tensors'])} tensors hold error-feedback rounded "
+            f"bytes (--rounding gptq: same types and sizes, not llama-quantize's bytes); "
+            f"llama-quantize --tensor-type-file {tt.name} reproduces the other "
+            f"{len(assignment['tensors']) - len(own)} exactly")
     return p
 
 
@@ -676,6 +746,7 @@ class StudentFactory:
     n_eval: int | None = None
     teacher_quant: str = "BF16"
     teacher_checkpoint: str | None = None
+    hessians: str | None = None
     dtype: str | None = None
     budget: int | None = None
     work_dir: str | None = None
@@ -700,7 +771,10 @@ class StudentFactory:
                            check=False)
         cache = CandidateCache(self.cache_dir) if self.cache_dir else CandidateCache()
         im = read_imatrix(self.imatrix) if self.imatrix else None
-        keys = ensure_candidates(ctx, self.menus, im, cache, None)
+        hs = None
+        if self.hessians:
+            hs = load_hessians(self.hessians)
+        keys = ensure_candidates(ctx, self.menus, im, cache, None, hessians=hs)
         cfg = getattr(info, "cfg", None)
         tp = int(getattr(info, "tp_size", 1) or 1)
         # --lazy: a Q8_0 teacher held as its bytes too (one GPU / data parallel; the Fisher

@@ -58,6 +58,19 @@ def _ggml():
     return cython_ggml
 
 
+def solve_triangular(a: np.ndarray, b: np.ndarray, lower: bool = False,
+                     trans: str = "N") -> np.ndarray:
+    """``scipy.linalg.solve_triangular`` for what this module needs (float64, via torch, so
+    that scipy is not a dependency): ``x`` with ``a x = b`` (``trans="T"``: ``a^T x = b``)."""
+    import torch
+    at = torch.from_numpy(np.ascontiguousarray(a, dtype=np.float64))
+    upper = not lower
+    if trans == "T":
+        at, upper = at.T, not upper
+    bt = torch.from_numpy(np.ascontiguousarray(b, dtype=np.float64))
+    return torch.linalg.solve_triangular(at, bt, upper=upper).numpy()
+
+
 def inverse_hessian_cholesky(h: np.ndarray, damp: float = 0.01) -> np.ndarray:
     """Upper Cholesky factor ``U`` of ``(H + damp·mean(diag H)·I)^-1`` (``U^T U``), float64.
 
@@ -72,7 +85,6 @@ def inverse_hessian_cholesky(h: np.ndarray, damp: float = 0.01) -> np.ndarray:
     h[np.diag_indices_from(h)] += damp * float(np.mean(np.diagonal(h)))
     lo = np.linalg.cholesky(h)
     eye = np.eye(h.shape[0])
-    from scipy.linalg import solve_triangular
     li = solve_triangular(lo, eye, lower=True)          # L^-1
     hinv = li.T @ li                                     # H^-1
     return np.linalg.cholesky(hinv).T                    # upper U with U^T U = H^-1
@@ -129,7 +141,6 @@ def gptq_blocks(w: np.ndarray, qtype, imatrix: np.ndarray | None, h: np.ndarray,
         out[:, k * ts:(k + 1) * ts] = q
         if feedback and e < cols:
             err = wk[:, s:e] - g.dequantize(q, qtype, bs, n_threads=1)
-            from scipy.linalg import solve_triangular
             err = solve_triangular(u_bb, err.T, lower=False, trans="T").T  # E_B U_BB^-1
             wk[:, e:] -= err @ u[s:e, e:]
     return out
@@ -161,7 +172,6 @@ def gptq_columns(w: np.ndarray, qtype, imatrix: np.ndarray | None, h: np.ndarray
     wk = np.array(w, dtype=np.float64, copy=True)
     out = np.empty((rows, cols // bs * ts), dtype=np.uint8)
     off = _OFFSET.get(name, 0)
-    from scipy.linalg import solve_triangular
     for k, s in enumerate(range(0, cols, bs)):
         e = s + bs
         u_bb = u[s:e, s:e]
