@@ -118,3 +118,30 @@ def test_doctor_model_prints_where_the_files_are(tiny_prepared, tmp_path, monkey
     assert lines["reference GGUF"] == str(tiny_prepared.reference_gguf)
     assert lines["voodoo.model"].startswith(f"{tiny_prepared.name}@sha256:")
     assert f"{tiny_prepared.base_gguf} out.gguf Q8_0" in lines["recipe"]
+
+
+def test_recipes_name_llama_quantize_by_its_path(tiny_prepared, tmp_path, monkeypatch,
+                                                capsys):
+    """The printed llama-quantize commands (doctor --model, export, run) start with the tool's
+    full path: the cached build is not on PATH, so a bare `llama-quantize` pasted into a shell
+    was 'command not found'."""
+    import io
+
+    import voodoo.models
+    from voodoo import cli, doctor
+    tools = tmp_path / "tools"
+    tools.mkdir()
+    quantize = tools / "llama-quantize"
+    quantize.write_text("#!/bin/sh\n")
+    quantize.chmod(0o755)
+    monkeypatch.setenv("VOODOO_LLAMA_CPP", str(tools))
+    monkeypatch.setattr(voodoo.models, "prepare_model", lambda m: tiny_prepared)
+    out = io.StringIO()
+    doctor.model_paths(str(tiny_prepared.hf_dir), out)
+    recipe = next(l for l in out.getvalue().splitlines() if l.strip().startswith("recipe"))
+    assert recipe.split()[1] == str(quantize)
+    gguf = tmp_path / "m.Voodoo50_Q4_0.gguf"
+    gguf.with_suffix(".tensor-types.txt").write_text("blk.0.attn_q.weight=q4_0\n")
+    cli._print_recipe(gguf, tiny_prepared.base_gguf, tmp_path / "imatrix.gguf")
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert last.split()[0] == str(quantize) and last.endswith("out.gguf Q8_0")

@@ -74,7 +74,9 @@ def model_paths(model_arg: str, out=sys.stdout) -> None:
     for k, v in (("HF folder", p.hf_dir), ("base F32 GGUF", p.base_gguf),
                  ("reference GGUF", p.reference_gguf), ("voodoo.model", record_model(p))):
         print(f"  {k:<22} {v}", file=out)
-    print("  recipe                 llama-quantize --imatrix <run>/imatrix.gguf "
+    from .llamacpp import tool_command
+    quantize = tool_command("llama-quantize")
+    print(f"  recipe                 {quantize} --imatrix <run>/imatrix.gguf "
           f"--tensor-type-file <run>/<stem>.tensor-types.txt {p.base_gguf} out.gguf Q8_0",
           file=out)
 

@@ -93,6 +93,15 @@ def lib_path() -> Path:
     return p
 
 
+def tool_command(name: str) -> str:
+    """What to type to run a llama.cpp tool in a printed command: its full path when built
+    (the cached build is not on PATH), else its bare name."""
+    try:
+        return str(tool_path(name))
+    except LlamaCppNotBuilt:
+        return name
+
+
 def tool_path(name: str) -> Path:
     """Path of a llama.cpp tool (one of :data:`TOOLS`, e.g. ``llama-perplexity``).
 
