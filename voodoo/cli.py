@@ -1550,7 +1550,7 @@ def main(argv: list[str] | None = None) -> int:
             raise
         # every output is written to a temporary name and renamed when complete, and the
         # training journal is saved atomically: nothing half-written is left at a final name
-        print(f"voodoo {argv[0]}: interrupted; no partial output was kept (rerun the same "
+        print(f"voodoo {argv[0]}: interrupted; nothing half-written was left (rerun the same "
               "command to continue)", file=sys.stderr)
         return 130
 
