@@ -238,3 +238,26 @@ def test_grad_sync_hook_and_progress_bar(tmp_path):
     assert all(torch.equal(v, torch.zeros(3)) for v in res.gates.values())
     with pytest.raises(ValueError, match="divisible by world_size"):
         train_gates(student, teacher, blocks(), c, progress=False, rank=0, world_size=3)
+
+
+def test_training_progress_in_a_log_is_one_line_a_step(tmp_path):
+    """stderr a file (a log): one line a step, with that step's metrics (the postfix used to
+    be set after the step's redraw, a second line every step)."""
+    import os
+    import subprocess
+    import sys
+    here = os.path.dirname(os.path.abspath(__file__))
+    code = (f"import sys; sys.path.insert(0, {here!r})\n"
+            "from voodoo.progress import tame_tqdm; assert tame_tqdm(mininterval=0.0)\n"
+            "from test_train import blocks, cfg, gated_llama\n"
+            "from voodoo.train import train_gates\n"
+            "s, t, _, _ = gated_llama()\n"
+            "train_gates(s, t, blocks(), cfg(), None, progress=True)\n")
+    log = tmp_path / "log.txt"
+    with open(log, "w") as f:
+        subprocess.run([sys.executable, "-c", code], stderr=f, check=True)
+    lines = [ln for ln in log.read_text().splitlines() if ln.startswith("gates:")]
+    counts = [ln.split("|")[2].split()[0] for ln in lines]
+    # the start, each step once with its metrics, and the closing line
+    assert counts == [f"{i}/8" for i in range(9)] + ["8/8"], "\n".join(lines)
+    assert all("loss=" in ln for ln in lines[1:]), "\n".join(lines)

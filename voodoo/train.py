@@ -515,10 +515,11 @@ def train_gates(student: nn.Module, teacher, train_blocks: torch.Tensor, cfg: Tr
                 saved_step = step
             elif journal is not None and rank == 0:
                 last = state()
-            if bar is not None:
-                bar.update(1)
+            if bar is not None:   # postfix first, then one redraw (one line a step in a log)
                 bar.set_postfix(loss=f"{m['loss']:.4f}", kl=f"{m['kl']:.4f}",
-                                size=f"{m['size_ratio']:.4f}", T=f"{m['temperature']:.3g}")
+                                size=f"{m['size_ratio']:.4f}", T=f"{m['temperature']:.3g}",
+                                refresh=False)
+                bar.update(1)
             if callback is not None:
                 callback(step, m)
     except KeyboardInterrupt:
