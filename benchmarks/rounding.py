@@ -18,6 +18,12 @@ tokens); the proxy is also measured with ``H`` of ``--heldout_blocks`` other cal
 overfitting. Never WikiText.
 
     python benchmarks/rounding.py [--model DIR] [--layers 0-29] [--out benchmarks/results/rounding]
+        [--layers_256 0,4,...] [--modules down_proj] [--fit_blocks 16] [--damp 0.05]
+        [--no_control] [--kld_types Q4_0,IQ4_NL --kld_blocks 8]
+
+``--kld_types`` also measures the whole model's mean KL(F32 || quantized) on held-out blocks
+with every decoder linear of that type, ggml's bytes vs ``columns`` (torch, dequantized
+weights; not llama.cpp).
 
 Prints, per type and source, the ratio source/ggml of the proxy: median over tensors and total
 (sum over tensors), on the fit H and on the held-out H; writes ``results.md`` and
@@ -109,11 +115,13 @@ def load_or_build(args):
                       n_eval_blocks=args.heldout_blocks, seed=0)
     fit = torch.load(data / "train.pt")[:args.fit_blocks]
     held = torch.load(data / "eval.pt")[:args.heldout_blocks]
-    cache = work / f"hessians_{args.fit_blocks}_{args.heldout_blocks}.pt"
+    tag = "" if not args.modules else "_" + args.modules.replace(",", "+")
+    cache = work / f"hessians_{args.fit_blocks}_{args.heldout_blocks}{tag}.pt"
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
     model.eval()
     names = [n for n, m in model.named_modules()
-             if isinstance(m, torch.nn.Linear) and ".layers." in f".{n}"]
+             if isinstance(m, torch.nn.Linear) and ".layers." in f".{n}"
+             and (not args.modules or any(k in n for k in args.modules.split(",")))]
     if cache.is_file():
         blob = torch.load(cache, weights_only=False)
     else:
@@ -175,8 +183,12 @@ def main() -> int:
     ap.add_argument("--layers", default="0-29")
     ap.add_argument("--layers_256", default="",
                     help="layers whose 256-block types are measured (default: --layers)")
+    ap.add_argument("--modules", default="",
+                    help="comma-separated substrings of the HF module names to measure "
+                         "(e.g. down_proj); default all decoder linears")
     ap.add_argument("--types", default="", help="comma-separated subset of types")
-    ap.add_argument("--damp", type=float, default=0.01)
+    ap.add_argument("--damp", type=float, default=0.05,
+                    help="fraction of mean(diag H) added to diag H (damp_sweep.md)")
     ap.add_argument("--importance", default="imatrix", choices=["imatrix", "hessian"])
     ap.add_argument("--threads", type=int, default=1, help="torch threads")
     ap.add_argument("--kld_blocks", type=int, default=16, help="held-out blocks for --kld_types")
