@@ -99,3 +99,9 @@ def test_a_zero_default_is_shown(parsers, capsys):
     assert "from the last checkpoint (default: 0)" in text
     assert "--no_ray quantize candidates in this process instead of Ray actors (default" \
         not in text
+
+
+def test_descriptions_are_plain_text(parsers):
+    """No reStructuredText of a docstring in a --help page (``voodoo doctor``: ...)."""
+    bad = [prog for prog, ap in parsers.items() if "``" in (ap.description or "")]
+    assert not bad, bad

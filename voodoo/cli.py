@@ -935,7 +935,9 @@ def _doctor(argv):
     from . import doctor
     ap = argparse.ArgumentParser(
         formatter_class=HelpFormatter, prog="voodoo doctor",
-        description=doctor.__doc__.split("\n")[0])
+        description="what this machine has for Voodoo (Python, torch, accelerators, Ray, "
+                    "llama.cpp's tools) and a self-check of the libggml bridge; with --model, "
+                    "where that model's files are")
     ap.add_argument("--model", default=None,
                     help="also print where this model's files are: its HF folder, the base "
                          "F32 GGUF (for the llama-quantize --tensor-type-file recipe), the "
