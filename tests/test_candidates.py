@@ -55,6 +55,31 @@ def test_round_trip_zero_copy(tmp_path, weights):
     assert np.shares_memory(back, data)
 
 
+def test_a_file_from_before_the_rounding_field_is_still_valid(tmp_path, weights, recwarn):
+    """A candidate written before CandidateKey.rounding existed (no "rounding" in its
+    metadata; llama-quantize's bytes, same file name) is read, not declared corrupt and
+    deleted: every user's cache was being thrown away and requantized, with two warning lines
+    a candidate."""
+    name, w = next(iter(weights.items()))
+    cache = C.CandidateCache(tmp_path)
+    key = C.candidate_key(w, "Q4_K", None)
+    data = C.quantize_candidate(w, "Q4_K", None, name, n_threads=1)
+    meta = {k: v for k, v in key.to_meta().items() if k != "rounding"}
+    table = C.to_arrow(data, {**meta, "gguf_name": name, "type": key.type_name})
+    p = cache.path(key)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    with pa.OSFile(str(p), "wb") as sink:
+        with pa.ipc.new_file(sink, table.schema) as wr:
+            wr.write_table(table)
+    got = cache.get(key)
+    assert got is not None and p.is_file()
+    np.testing.assert_array_equal(got, data)
+    assert not [x for x in recwarn if issubclass(x.category, C.CorruptCandidateWarning)]
+    # a real difference in a field is still caught
+    other = C.CandidateKey(**{**key.__dict__, "rounding": "gptq:0.01:abc"})
+    assert C.CandidateKey.from_meta(meta) != other
+
+
 def test_bytes_equal_cython_ggml(tmp_path, weights, imatrix):
     cache = C.CandidateCache(tmp_path)
     res = C.precache_local(_jobs(weights, imatrix), cache, progress=False, n_threads=1)

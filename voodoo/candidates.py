@@ -108,8 +108,13 @@ class CandidateKey:
         return qtype(self.type_name).row_nbytes(self.n_per_row)
 
     def to_meta(self) -> dict[str, str]:
-        """The key as string metadata (Arrow schema metadata / JSON)."""
-        return {k: str(v) for k, v in asdict(self).items()}
+        """The key as string metadata (Arrow schema metadata / JSON). ``rounding`` is left out
+        when it is ``"ggml"``, so llama-quantize's candidates keep the metadata (and cache
+        files) they had before error-feedback rounding existed."""
+        d = {k: str(v) for k, v in asdict(self).items()}
+        if self.rounding == "ggml":
+            del d["rounding"]
+        return d
 
     @classmethod
     def from_meta(cls, meta: dict) -> "CandidateKey":
@@ -476,8 +481,10 @@ class CandidateCache:
             with pa.memory_map(str(p), "r") as src:
                 table = pa.ipc.open_file(src).read_all()
             data, meta = from_arrow(table, verify=True)
-            want = key.to_meta()
-            bad = {k: (meta.get(k), v) for k, v in want.items() if str(meta.get(k)) != v}
+            # through from_meta: fields added later take their defaults (a file written before
+            # ``rounding`` existed holds llama-quantize's bytes, rounding "ggml")
+            want, got = key.to_meta(), CandidateKey.from_meta(meta).to_meta()
+            bad = {k: (got.get(k), v) for k, v in want.items() if got.get(k) != v}
             if bad:
                 raise CorruptCandidate(f"metadata differs from the key: {bad}")
             if data.shape != (key.n_rows, key.row_size):
