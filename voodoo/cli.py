@@ -89,6 +89,10 @@ def _menu_flags(ap):
                          "matmul input's Hessian from the calibration blocks (valid blocks of "
                          "the same types, run by stock llama.cpp; the tensor-type file then "
                          "covers only the tensors it names). Default ggml")
+    ap.add_argument("--hessian_blocks", type=int, default=64,
+                    help="calibration blocks behind the input Hessians of --rounding gptq "
+                         "(the first N train blocks; at 16, as many as the imatrix, ffn_down's "
+                         "K-quants overfit on held-out text: benchmarks/results/rounding)")
 
 
 def _budget_flags(ap):
@@ -589,7 +593,8 @@ class Run:
         from .provenance import tokens_sha256
         if getattr(self, "train_blocks", None) is None:
             self.data()
-        calib = self.train_blocks[: self.a.imatrix_blocks]
+        calib = self.train_blocks[: getattr(self.a, "hessian_blocks", None)
+                                  or self.a.imatrix_blocks]
         inputs = {"model": self.model_id(), "tokens": tokens_sha256(calib)}
         with self.timer("input Hessians"):
             return ensure_hessians(self.ctx, self.out / "hessians.npz", calib, inputs)
