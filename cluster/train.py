@@ -191,7 +191,9 @@ def dispatch_layers(model: nn.Module, devices: list[str], layers: str = "model.l
 
     Layer i of the ``nn.ModuleList`` at ``layers`` goes to ``devices[i * len(devices) // n]``
     (contiguous chunks); everything else (embedding, final norm, lm_head -- a tied head shares
-    the embedding's gate, so both stay together) on ``devices[0]``. A forward pre-hook on each
+    the embedding's gate, so both stay together) on ``devices[0]``; each layer is moved straight
+    to its device and never through ``devices[0]`` (a model built on its devices layer by
+    layer, bigger than one device, stays where it is). A forward pre-hook on each
     layer moves its inputs (hidden states, rotary cos/sin, mask) to its device; a forward hook
     on the last layer moves its output back to ``devices[0]``. Each gate's expected size is
     returned on ``devices[0]`` (so the model's total can be summed). Returns
@@ -200,12 +202,21 @@ def dispatch_layers(model: nn.Module, devices: list[str], layers: str = "model.l
     if not isinstance(stack, nn.ModuleList) or len(stack) == 0:
         raise ValueError(f"{layers} is not a non-empty nn.ModuleList of decoder layers")
     first = torch.device(devices[0])
-    model.to(first)
     n, d = len(stack), len(devices)
     placement = {}
+    # each layer straight to its device, then the rest to the first without the layers: a
+    # model built layer by layer on its devices (bigger than one of them) is never gathered
+    # on the first device
+    for i, layer in enumerate(stack):
+        layer.to(torch.device(devices[i * d // n]))
+    held = dict(stack._modules)
+    stack._modules.clear()
+    try:
+        model.to(first)
+    finally:
+        stack._modules.update(held)
     for i, layer in enumerate(stack):
         dev = torch.device(devices[i * d // n])
-        layer.to(dev)
         placement[i] = str(dev)
         layer.register_forward_pre_hook(
             lambda m, a, k, _d=dev: (_to(a, _d), _to(k, _d)), with_kwargs=True)
