@@ -18,6 +18,12 @@ a step:
   ``--tp 2``: tensor parallel over NCCL; ``--device_map cuda:0,cuda:1``: layer-wise in one
   worker), steps/s, tokens/s and peak memory per GPU, and its first-step loss next to the
   single-GPU one (agreement).
+* with ``--lazy on`` and ``--tp N`` / ``--device_map``: the sharded construction (meta-device
+  model, candidates and the Q8_0 teacher as hashed ggml bytes made shard by shard,
+  :class:`HashedStore`), per-rank / per-device peak memory, the ratio of a whole step to a
+  plain training step of the same sharded model (timed in the worker, before the student is
+  built), predicted memory per device (:func:`predict_sharded`); ``--agree``: then the same
+  shape in one process, the first-step losses compared (``recipes/qwen32b_lazy_multi_gpu.sh``).
 
     python benchmarks/gpu_gate_step.py --layers 28 --tokens 8192 --k 6 [--ray] [--tp 2]
 """
@@ -55,6 +61,19 @@ class BigLlamaFactory:
     checkpointing: bool = False
     teacher_quant: str = "BF16"
     assembly: str = "module"
+    #: the sharded-run construction (``--tp``/``--device_map``/``--agree`` with ``--lazy``):
+    #: the model built on the meta device, candidates and the Q8_0 teacher as bytes made by a
+    #: counter hash (:class:`HashedStore`) so that a rank makes only its shard's bytes and any
+    #: shard equals the same slice of a one-process run's (agreement)
+    hashed: bool = False
+    dtype: str = "bfloat16"
+    compression_ratio: float | None = None
+    device_map: str | None = None
+    out_dir: str | None = None  # sharded runs: per-rank JSON (plain step, peaks) goes here
+
+    @property
+    def torch_dtype(self):
+        return getattr(torch, self.dtype)
 
     def config(self):
         from transformers import LlamaConfig
@@ -68,7 +87,7 @@ class BigLlamaFactory:
         from transformers import LlamaForCausalLM
         torch.manual_seed(self.seed)
         with torch.device(device):
-            m = LlamaForCausalLM(self.config()).to(torch.bfloat16)
+            m = LlamaForCausalLM(self.config()).to(self.torch_dtype)
         return m.eval()
 
     def teacher(self, model, specs, dev):
@@ -118,6 +137,8 @@ class BigLlamaFactory:
         return ["Q8_0", "Q6_K", "Q5_K", "Q4_K", "IQ4_XS", "IQ3_S", "IQ2_S", "IQ1_S"][: self.k]
 
     def __call__(self, info):
+        if self.lazy and self.hashed:
+            return self.hashed_job(info)
         if self.lazy:
             return self.lazy_job(info)
         from cluster.train import StudentJob
@@ -184,6 +205,266 @@ class BigLlamaFactory:
                                generator=torch.Generator().manual_seed(self.seed + 2))
         return StudentJob(student=model, teacher=teacher, train_blocks=blocks, specs=specs,
                           n_head=self.heads, n_head_kv=self.kv_heads)
+
+
+    def hashed_job(self, info):
+        """The lazy student for sharded runs and their one-process agreement run: built on the
+        meta device (no dense weights: a rank of a 32B model under ``--tp`` never holds the
+        whole model), every selectable tensor gated by
+        :func:`voodoo.gates.install_gates` over ggml bytes (``stores``: MixedQuantLinear /
+        MixedQuantEmbedding, which :func:`cluster.tp.shard_model` narrows to a rank's blocks
+        and :func:`cluster.train.dispatch_layers` moves with their layers). A TP-split tensor's
+        candidates stay a :class:`HashedStore` (no bytes) until ``shard_model`` asks for the
+        rank's shard; the others are made whole. The teacher is the same meta model gated over
+        one Q8_0 candidate per tensor (``--teacher_quant Q8_0``; the same sharding applies),
+        or the student's base in ``dtype`` (BF16: a dense copy of random weights)."""
+        from cluster.train import StudentJob
+        from voodoo.arch import get_adapter
+        from voodoo.gates import install_gates
+        from voodoo.quants import tensor_nbytes
+        dev = info.device if info is not None else DEV
+        tp = info.tp_size if info is not None else 1
+        if self.out_dir and info is not None:
+            self.plain_step(info)
+        model = self.base("meta")
+        specs = get_adapter(model.config).selectable(model)
+        types = self.types
+
+        where = self._devices_of(model, dev)  # --device_map: each layer's bytes on its GPU
+
+        def stores_for(kind, tys):
+            out = {}
+            for i, s in enumerate(specs):
+                st = HashedStore(tys, tuple(s.shape), seed=self.seed * 1000 + 17 * i + kind,
+                                 device=where(s.module_name))
+                # kept whole where tensor parallel does not split (the embedding) or no TP
+                out[s.gguf_name] = st if (tp > 1 and s.tp in ("column", "row")) else st.full()
+            return out
+        table = {s.gguf_name: [tensor_nbytes(t, *s.shape) for t in types] for s in specs}
+        install_gates(model, specs, {}, table, menus={s.gguf_name: types for s in specs},
+                      stores=stores_for(0, types))
+        materialize(model, where, self.torch_dtype, self.seed)
+        if self.teacher_quant.upper() == "Q8_0":
+            teacher = self.base("meta")
+            install_gates(teacher, specs, {}, {s.gguf_name: [tensor_nbytes("Q8_0", *s.shape)]
+                                               for s in specs},
+                          menus={s.gguf_name: ["Q8_0"] for s in specs},
+                          stores=stores_for(1, ["Q8_0"]))
+            materialize(teacher, where, self.torch_dtype, self.seed)
+        else:
+            teacher = self.base("meta")
+            materialize(teacher, where, self.torch_dtype, self.seed, dense=True)
+        for p in teacher.parameters():
+            p.requires_grad_(False)
+        teacher.eval()
+        _maybe_checkpoint(model, self.checkpointing)
+        blocks = torch.randint(0, self.vocab, (self.n_blocks, self.tokens),
+                               generator=torch.Generator().manual_seed(self.seed + 2))
+        return StudentJob(student=model, teacher=teacher, train_blocks=blocks, specs=specs,
+                          n_head=self.heads, n_head_kv=self.kv_heads)
+
+
+    def _devices_of(self, model, dev):
+        """A parameter's device: its decoder layer's under ``device_map`` (as
+        :func:`cluster.train.dispatch_layers` places them), else ``dev``."""
+        devs = self.device_map.split(",") if self.device_map else None
+        if not devs:
+            return lambda name: dev
+        n = self.layers
+
+        def where(name):
+            parts = name.split(".")
+            j = parts.index("layers") + 1 if "layers" in parts else len(parts)
+            if j < len(parts) and parts[j].isdigit():
+                return devs[int(parts[j]) * len(devs) // n]
+            return devs[0]
+        return where
+
+    def plain_step(self, info):
+        """A plain training step (forward + backward with weight gradients, same checkpointing)
+        of the same sharded model, timed on this rank before the student is built; written to
+        ``out_dir/plain-rank{r}.json`` with this rank's peak memory."""
+        import resource
+        from cluster.train import dispatch_layers
+        from voodoo.arch import get_adapter
+        dev = info.device
+        plain = self.base("meta")
+        specs = get_adapter(plain.config).selectable(plain)
+        if info.tp_size > 1:
+            from cluster.tp import TPGroup, shard_model
+            shard_model(plain, specs, TPGroup(info.tp_rank, info.tp_size, None),
+                        self.heads, self.kv_heads)
+        materialize(plain, self._devices_of(plain, dev), self.torch_dtype, self.seed, dense=True)
+        if self.device_map:
+            dispatch_layers(plain, self.device_map.split(","))
+        plain.train()
+        _maybe_checkpoint(plain, self.checkpointing)
+        for p in plain.parameters():
+            p.requires_grad_(True)
+        ids = torch.randint(0, self.vocab, (1, self.tokens),
+                            generator=torch.Generator().manual_seed(self.seed + 9)).to(dev)
+
+        def step():
+            logits = plain(input_ids=ids, use_cache=False).logits
+            F.cross_entropy(logits[0, :-1].float(), ids[0, 1:]).backward()
+        cuda = torch.device(dev).type == "cuda"
+        devs = self.device_map.split(",") if self.device_map else [dev]
+        if cuda:
+            for d in devs:
+                torch.cuda.reset_peak_memory_stats(d)
+        global DEV
+        DEV = "cuda" if cuda else "cpu"
+        ms = _time(step, 3, warmup=1)
+        out = {"rank": info.rank, "plain_ms": ms,
+               "plain_peak_gib": {d: torch.cuda.max_memory_allocated(d) / 2**30 for d in devs}
+               if cuda else None,
+               "rss_peak_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+        del plain, ids
+        if cuda:
+            torch.cuda.empty_cache()
+            for d in devs:
+                torch.cuda.reset_peak_memory_stats(d)
+        os.makedirs(self.out_dir, exist_ok=True)
+        with open(os.path.join(self.out_dir, f"plain-rank{info.rank}.json"), "w") as fh:
+            json.dump(out, fh)
+
+
+class PeakHook:
+    """``step_hook``: at the last step, each rank writes its peak memory (every device of a
+    ``device_map``; on the CPU the process's peak RSS) to ``out_dir/peak-rank{r}.json``."""
+
+    def __init__(self, out_dir, steps, devices):
+        self.out_dir, self.steps, self.devices = out_dir, steps, devices
+
+    def __call__(self, step, info, student):
+        import resource
+        if step != self.steps:
+            return
+        cuda = torch.device(info.device).type == "cuda"
+        devs = self.devices or [info.device]
+        out = {"rank": info.rank,
+               "peak_gib": {d: torch.cuda.max_memory_allocated(d) / 2**30 for d in devs}
+               if cuda else None,
+               "rss_peak_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+        os.makedirs(self.out_dir, exist_ok=True)
+        with open(os.path.join(self.out_dir, f"peak-rank{info.rank}.json"), "w") as fh:
+            json.dump(out, fh)
+
+
+def materialize(model, dev, dtype, seed, dense: bool = False):
+    """Gives a model built on the meta device real tensors on ``dev``: norm weights 1, other
+    meta parameters (``dense``: every weight) N(0, 0.02) from ``seed``, the rotary tables
+    recomputed; what is already real (gates, stores) is left as it is."""
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+    where = dev if callable(dev) else (lambda name: dev)
+    done: dict[int, torch.nn.Parameter] = {}  # a tied weight stays one parameter
+    for mname, mod in list(model.named_modules()):
+        d = where(mname)
+        for name, p in list(mod._parameters.items()):
+            if p is None or not p.is_meta:
+                continue
+            if id(p) not in done:
+                if p.dim() == 1:
+                    t = torch.ones(p.shape, dtype=dtype, device=d)
+                else:
+                    g = torch.Generator(device=d).manual_seed(seed + 5 + len(done))
+                    t = (torch.randn(p.shape, generator=g, device=d, dtype=dtype) * 0.02)
+                done[id(p)] = torch.nn.Parameter(t, requires_grad=p.requires_grad)
+            mod._parameters[name] = done[id(p)]
+        for name, b in list(mod._buffers.items()):
+            if b is not None and b.is_meta:
+                mod._buffers[name] = torch.zeros(b.shape, dtype=b.dtype, device=d)
+        if isinstance(mod, LlamaRotaryEmbedding):
+            dev = d
+            fresh = LlamaRotaryEmbedding(mod.config, device=dev) if "device" in \
+                LlamaRotaryEmbedding.__init__.__code__.co_varnames else None
+            if fresh is None:
+                with torch.device(dev):
+                    fresh = LlamaRotaryEmbedding(mod.config)
+            mod.inv_freq = fresh.inv_freq.to(dev)
+            mod.original_inv_freq = fresh.original_inv_freq.to(dev)
+            mod.attention_scaling = fresh.attention_scaling
+    return model
+
+
+def _hash_bytes(idx: torch.Tensor, seed: int) -> torch.Tensor:
+    """uint8 of a counter hash (splitmix-like, int64 wrap-around) of each global index."""
+    x = idx * 0x9E3779B1 + seed * 0x632BE5AB + 0x1234567
+    x = x ^ (x >> 15)
+    x = x * 0x2C1B3C6D
+    x = x ^ (x >> 12)
+    x = x * 0x297A2D39
+    x = x ^ (x >> 15)
+    return (x & 0xFF).to(torch.uint8)
+
+
+class HashedStore(torch.nn.Module):
+    """K candidates of a ``(rows, cols)`` tensor as well-formed random ggml bytes (every fp16
+    scale 2^-14, cf. ``lazy_candidates._random_blocks``) that exist only when asked for: byte j of
+    row r of candidate k is a hash of ``(seed, k, r, j)``, so :meth:`narrow` (a TP rank's rows,
+    or whole blocks of columns) makes exactly the bytes that slice has in :meth:`full`, without
+    ever making the rest. Speed and memory do not depend on the values; the agreement check
+    needs a shard to equal the one-process run's slice, which this gives."""
+
+    def __init__(self, types, shape, seed: int, device="cpu"):
+        super().__init__()
+        self.types, self.shape, self.seed, self._device = tuple(types), tuple(shape), seed, device
+
+    @property
+    def k(self):
+        return len(self.types)
+
+    @property
+    def device(self):
+        return torch.device(self._device)
+
+    @property
+    def shape2d(self):
+        return self.shape
+
+    @property
+    def nbytes(self):
+        return 0
+
+    def _bytes(self, k, r0, r1, c0, c1):
+        import sys
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from lazy_candidates import F16_FIELDS
+
+        from voodoo.quants import qtype
+        t = qtype(self.types[k])
+        row_bytes = t.row_nbytes(self.shape[1])
+        j0, j1 = c0 // t.block_size * t.type_size, c1 // t.block_size * t.type_size
+        out = torch.empty((r1 - r0, j1 - j0), dtype=torch.uint8, device=self.device)
+        step = max(1, (1 << 26) // max(1, j1 - j0))
+        cols = torch.arange(j0, j1, device=self.device, dtype=torch.int64)
+        for a in range(r0, r1, step):
+            b = min(r1, a + step)
+            rows = torch.arange(a, b, device=self.device, dtype=torch.int64)[:, None]
+            out[a - r0:b - r0] = _hash_bytes(rows * row_bytes + cols, self.seed * 64 + k)
+        blk = out.view(-1, t.type_size)
+        # fp16 scales 2^-14: weights of order 0.005-0.05 (activations stay in range)
+        small = torch.tensor([0x0400], dtype=torch.int16).view(torch.uint8).to(self.device)
+        for off in F16_FIELDS.get(t.name, []):
+            blk[:, off:off + 2] = small
+        if t.name == "IQ1_M":
+            for off, hi in ((49, 0), (51, 0), (53, 0), (55, 0x20)):
+                blk[:, off] = (blk[:, off] & 0x0F) | hi
+        return out
+
+    def narrow(self, dim, start, length):
+        from voodoo.lazy import QuantizedCandidates
+        rows, cols = self.shape
+        r0, r1, c0, c1 = 0, rows, 0, cols
+        if dim % 2 == 0:
+            r0, r1 = start, start + length
+        else:
+            c0, c1 = start, start + length
+        return QuantizedCandidates([self._bytes(k, r0, r1, c0, c1) for k in range(self.k)],
+                                   self.types, (r1 - r0, c1 - c0))
+
+    def full(self):
+        return self.narrow(0, 0, self.shape[0])
 
 
 def identity_map(model, specs):
@@ -389,32 +670,59 @@ def lazy_ops(f: BigLlamaFactory, n: int) -> dict:
     return out
 
 
+def _ratio(f: BigLlamaFactory) -> float:
+    """The budget: ``f.compression_ratio``, else 0.5 of Q8_0 when the menu reaches it, else
+    the middle of what the menu can reach (a K = 3 smoke menu ends at Q5_K, 0.65)."""
+    if f.compression_ratio:
+        return f.compression_ratio
+    from voodoo.quants import tensor_nbytes
+    lo = tensor_nbytes(f.types[-1], 256, 4096) / tensor_nbytes("Q8_0", 256, 4096)
+    return 0.5 if lo < 0.49 else round((lo + 1) / 2, 3)
+
+
 def ray_run(f: BigLlamaFactory, steps: int, tp: int, device_map: str | None, name: str) -> dict:
+    import glob
+    import shutil
+
     import ray
 
     from cluster.train import run_training
     from voodoo.train import TrainConfig
     if not ray.is_initialized():
         ray.init(include_dashboard=False)
-    cfg = TrainConfig(compression_ratio=0.5, max_steps=steps, seq_len=f.tokens, batch_size=1,
-                      device=DEV, dtype="bfloat16", compile=False,
+    cfg = TrainConfig(compression_ratio=_ratio(f), max_steps=steps, seq_len=f.tokens,
+                      batch_size=1, device=DEV, dtype=f.dtype, compile=False,
                       partial_save_interval=steps, gradient_checkpointing=f.checkpointing,
                       # the Fisher prior needs dense candidates; a lazy student starts from the
                       # budget prior (the CLI computes the Fisher one in the driver)
                       gate_init="budget" if f.lazy else "fisher")
-    times = []
+    f = copy.copy(f)
+    f.device_map = device_map
+    hook = None
+    if f.hashed:
+        f.out_dir = os.path.join("/tmp/voodoo-bench", name)
+        shutil.rmtree(f.out_dir, ignore_errors=True)
+        shutil.rmtree(os.path.join("/tmp/voodoo-ray", name), ignore_errors=True)
+        hook = PeakHook(f.out_dir, steps, device_map.split(",") if device_map else None)
 
     t0 = time.perf_counter()
     n_gpu = torch.cuda.device_count()
-    kw = dict(num_workers=tp, use_gpu=DEV == "cuda", tensor_parallel=tp)
+    use_gpu = DEV == "cuda"
+    kw = dict(num_workers=tp, use_gpu=use_gpu, tensor_parallel=tp)
     if device_map:
-        kw = dict(num_workers=1, use_gpu=True, device_map=device_map,
-                  resources_per_worker={"GPU": len(device_map.split(",")), "CPU": 2})
-    res = run_training(f, cfg, run_name=name, storage_path="/tmp/voodoo-ray", **kw)
+        kw = dict(num_workers=1, use_gpu=use_gpu, device_map=device_map,
+                  resources_per_worker={"GPU": len(device_map.split(",")), "CPU": 2}
+                  if use_gpu else {"CPU": 1})
+    elif not use_gpu:
+        kw["resources_per_worker"] = {"CPU": 1}
+    res = run_training(f, cfg, run_name=name, storage_path="/tmp/voodoo-ray", step_hook=hook,
+                       **kw)
     wall = time.perf_counter() - t0
     hist = res.history
     step_s = [h.get("step_seconds") for h in hist if h.get("step_seconds")]
     out = {"mode": name, "gpus_seen": n_gpu, "steps": res.step, "wall_s": wall,
+           "tensor_parallel": tp, "device_map": device_map, "dtype": f.dtype,
+           "compression_ratio": cfg.compression_ratio,
            "first_loss": hist[0]["loss"] if hist else None,
            "last_loss": hist[-1]["loss"] if hist else None,
            "metrics": {k: v for k, v in res.metrics.items() if isinstance(v, (int, float))}}
@@ -425,12 +733,74 @@ def ray_run(f: BigLlamaFactory, steps: int, tp: int, device_map: str | None, nam
     peaks = [h.get("peak_gib") for h in hist if h.get("peak_gib")]
     if peaks:
         out["peak_gib"] = max(peaks)
+    if f.hashed:  # per rank / per device: the gate steps' peaks and the plain step
+        ranks = {}
+        for fn in sorted(glob.glob(os.path.join(f.out_dir, "*-rank*.json"))):
+            with open(fn) as fh:
+                d = json.load(fh)
+            ranks.setdefault(f"rank{d.pop('rank')}", {}).update(
+                {(f"plain_{k}" if k == "rss_peak_gib" and "plain" in os.path.basename(fn)
+                  else k): v for k, v in d.items()})
+        out["per_rank"] = ranks
+        plain = [r["plain_ms"] for r in ranks.values() if "plain_ms" in r]
+        if plain and step_s:
+            out["plain_step_ms"] = max(plain)
+            out["ratio_step_over_plain"] = out["step_s_median"] * 1e3 / max(plain)
     n_params = sum(p.numel() for p in f.base("meta").parameters())
     pred = f.predict(bool(f.lazy), n_params)
     out["predicted_gib"] = {k: v / 2**30 for k, v in pred.items()}
+    out["predicted_per_device_gib"] = {
+        k: v / 2**30 for k, v in predict_sharded(f, n_params, tp if tp > 1 else 1,
+                                                 len(device_map.split(",")) if device_map
+                                                 else 1).items()}
     out.update(lazy=bool(f.lazy), checkpointing=f.checkpointing, teacher_quant=f.teacher_quant)
     from voodoo.lazy import format_memory
     print(format_memory(pred, int(out["peak_gib"] * 2**30) if peaks else None), flush=True)
+    return out
+
+
+def predict_sharded(f: BigLlamaFactory, n_params: int, tp: int = 1, layer_devices: int = 1
+                    ) -> dict:
+    """:func:`voodoo.lazy.predict_memory` per device of a sharded run (the busiest device).
+
+    ``tp``: tensor parallel -- each rank holds 1/tp of every decoder tensor (candidates,
+    mixed weights, teacher) and the whole tied embedding, the residual stream's activations
+    whole and the MLP's and attention's 1/tp, the logits whole (the head is not split).
+    ``layer_devices``: layer-wise -- the first device holds its share of the layers plus the
+    embedding and the logits (the busiest one). Both: the one-device prediction of the parts
+    a device holds."""
+    from voodoo.lazy import predict_memory
+    from voodoo.quants import tensor_nbytes
+    hd = f.hidden // f.heads
+    layer = {"attn_q": (f.heads * hd, f.hidden), "attn_k": (f.kv_heads * hd, f.hidden),
+             "attn_v": (f.kv_heads * hd, f.hidden), "attn_output": (f.hidden, f.heads * hd),
+             "ffn_gate": (f.intermediate, f.hidden), "ffn_up": (f.intermediate, f.hidden),
+             "ffn_down": (f.hidden, f.intermediate)}
+    n_layers = -(-f.layers // layer_devices)  # the first device's layers (contiguous chunks)
+    shapes = {f"blk.{b}.{n}.weight": (r // tp, c) for b in range(n_layers)
+              for n, (r, c) in layer.items()}  # 1/tp of each tensor's bytes (rows or columns)
+    shapes["token_embd.weight"] = (f.vocab, f.hidden)
+    menus = {n: f.types for n in shapes}
+    per_layer = sum(r * c for r, c in layer.values())
+    params = n_params - f.layers * per_layer + n_layers * per_layer // tp
+    tq = "Q8_0" if f.teacher_quant.upper() == "Q8_0" else "BF16"
+    # activations: the model's layer count on this device, intermediate split by tp
+    p = predict_memory(shapes, menus, n_params=params, n_layers=n_layers, hidden=f.hidden,
+                       intermediate=f.intermediate // tp, vocab=f.vocab, tokens=f.tokens,
+                       lazy=bool(f.lazy), teacher_quant=tq, checkpointing=f.checkpointing)
+    del tensor_nbytes
+    return p
+
+
+def agreement(sharded: dict, one: dict, tol: float) -> dict:
+    a, b = sharded.get("first_loss"), one.get("first_loss")
+    out = {"sharded_mode": sharded.get("mode"), "sharded_first_loss": a,
+           "one_process_first_loss": b, "rel_tol": tol}
+    if a is not None and b is not None:
+        out["abs_diff"] = abs(a - b)
+        out["rel_diff"] = abs(a - b) / max(abs(b), 1e-12)
+        out["ok"] = out["rel_diff"] <= tol
+    print(f"agreement: {out}", flush=True)
     return out
 
 
@@ -464,6 +834,15 @@ def main():
     ap.add_argument("--tp", type=int, default=0, help="TorchTrainer tensor parallel N")
     ap.add_argument("--device_map", default=None, help="TorchTrainer layer-wise, one worker")
     ap.add_argument("--ray_steps", type=int, default=6)
+    ap.add_argument("--agree", action="store_true",
+                    help="after --tp/--device_map, the same shape in one process (TorchTrainer, "
+                         "one worker, same construction and seed): first-step losses compared")
+    ap.add_argument("--agree_tol", type=float, default=None,
+                    help="relative tolerance of the agreement (default 1e-5 in float32, 2e-2 "
+                         "in bfloat16)")
+    ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                    help="the student's dtype (float32 for an exact CPU agreement check)")
+    ap.add_argument("--compression_ratio", type=float, default=None)
     ap.add_argument("--json", default=None)
     ap.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run")
     a = ap.parse_args()
@@ -472,7 +851,10 @@ def main():
     f = BigLlamaFactory(a.hidden, a.intermediate, a.layers, a.heads, a.kv_heads, a.vocab, a.k,
                         a.tokens, lazy={"off": False, "on": True, "both": "both"}[a.lazy],
                         checkpointing=a.gradient_checkpointing, teacher_quant=a.teacher_quant,
-                        assembly=a.lazy_assembly)
+                        assembly=a.lazy_assembly, dtype=a.dtype,
+                        compression_ratio=a.compression_ratio)
+    # sharded runs and their agreement run: meta-built model, hashed bytes (HashedStore)
+    f.hashed = bool(f.lazy) and (bool(a.tp) or bool(a.device_map) or a.agree)
     results = {"device": torch.cuda.get_device_name(0) if DEV == "cuda" else "cpu",
                "shape": vars(a)}
     if a.single:
@@ -492,6 +874,13 @@ def main():
     if a.device_map:
         results["layerwise"] = ray_run(f, a.ray_steps, 1, a.device_map, "bench-layerwise")
         print(json.dumps(results["layerwise"], indent=1), flush=True)
+    if a.agree:
+        one = ray_run(f, a.ray_steps, 1, None, "bench-1proc")
+        results["one_process"] = one
+        tol = a.agree_tol or (1e-5 if a.dtype == "float32" else 2e-2)
+        results["agreement"] = {k: agreement(results[k], one, tol)
+                                for k in (f"tp{a.tp}", "layerwise") if k in results}
+        print(json.dumps(results["agreement"], indent=1), flush=True)
     if a.json:
         with open(a.json, "w") as fh:
             json.dump(results, fh, indent=1, default=str)
