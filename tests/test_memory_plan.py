@@ -124,6 +124,6 @@ def test_voodoo_train_lazy_q8_teacher_prints_prediction(tiny_fixed, tmp_path):  
                           "--imatrix_blocks", "4", "--no_ray", "--max_steps", "1", "--lazy",
                           "--teacher_quant", "Q8_0", "--fisher_blocks", "2"])
     assert rc == 0, se[-3000:]
-    lines = [ln for ln in so.splitlines() if ln.startswith("predicted device memory: ")]
+    lines = [ln for ln in so.splitlines() if ln.startswith("[voodoo] predicted device memory: ")]
     assert len(lines) == 1 and "candidates" in lines[0] and "teacher" in lines[0], so
     assert list(out.glob("*.assignment.json"))

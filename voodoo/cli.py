@@ -778,7 +778,7 @@ class Run:
         else:
             pred = predict(bool(a.lazy), bool(a.gradient_checkpointing), q8)
         self.memory_prediction = pred
-        print(format_memory(pred))
+        print(f"[voodoo] {format_memory(pred)}", flush=True)
         return pred
 
     def print_memory(self, peak: int | None):
@@ -786,7 +786,7 @@ class Run:
         from .lazy import format_memory
         pred = getattr(self, "memory_prediction", None)
         if pred is not None and peak is not None:
-            print(format_memory(pred, peak))
+            print(f"[voodoo] {format_memory(pred, peak)}", flush=True)
 
     def needs_prior(self, cfg) -> bool:
         """Whether :meth:`gate_prior` will compute the Fisher prior."""
