@@ -55,9 +55,16 @@ def test_gptq_run_exports_its_own_bytes(tiny_fixed, tmp_path):
                           "--rounding", "gptq"])
     assert rc == 0, err[-3000:]
     assert "error-feedback rounded bytes" in err
+    # without --rounding, export takes the assignment's own (gptq): the very same file
     rc, _, err = run_cli(["export", *args, "--output_dir", str(out), "--assignment", str(asg),
-                          "--output_name", "plain"])
+                          "--output_name", "again"])
     assert rc == 0, err[-3000:]
+    assert (out / "again.gguf").read_bytes() == (out / "g.gguf").read_bytes()
+    # llama-quantize's bytes of the same types, asked for explicitly (and said so)
+    rc, _, err = run_cli(["export", *args, "--output_dir", str(out), "--assignment", str(asg),
+                          "--output_name", "plain", "--rounding", "ggml"])
+    assert rc == 0, err[-3000:]
+    assert "trained on --rounding gptq candidates" in err
     g, p = GGUFReader(out / "g.gguf"), GGUFReader(out / "plain.gguf")
     assert str(bytes(g.fields["voodoo.rounding"].parts[-1]), "utf8") == "gptq"
     assert "voodoo.rounding" not in p.fields

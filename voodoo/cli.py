@@ -83,16 +83,18 @@ def _menu_flags(ap):
                                                       "candidates, or $VOODOO_CACHE)")
     ap.add_argument("--no_ray", action="store_true",
                     help="quantize candidates in this process instead of Ray actors")
-    ap.add_argument("--rounding", choices=["ggml", "gptq"], default="ggml",
+    ap.add_argument("--rounding", choices=["ggml", "gptq"], default=None,
                     help="candidate bytes: 'ggml' = llama-quantize's own (the tensor-type file "
                          "reproduces the export); 'gptq' = error-feedback rounding with each "
                          "matmul input's Hessian from the calibration blocks (valid blocks of "
                          "the same types, run by stock llama.cpp; the tensor-type file then "
-                         "covers only the tensors it names). Default ggml")
-    ap.add_argument("--hessian_blocks", type=int, default=64,
+                         "covers only the tensors it names). Default ggml; export and eval "
+                         "take the --assignment's")
+    ap.add_argument("--hessian_blocks", type=int, default=None,
                     help="calibration blocks behind the input Hessians of --rounding gptq "
                          "(the first N train blocks; at 16, as many as the imatrix, ffn_down's "
-                         "K-quants overfit on held-out text: benchmarks/results/rounding)")
+                         "K-quants overfit on held-out text: benchmarks/results/rounding). "
+                         "Default 64; export and eval take the --assignment's")
 
 
 def _budget_flags(ap):
@@ -582,7 +584,7 @@ class Run:
                 from .provenance import record
                 record(self.out, "imatrix.gguf", self.imatrix_inputs())
         self.hessians = None
-        if getattr(a, "rounding", "ggml") == "gptq":
+        if getattr(a, "rounding", None) == "gptq":
             self.hessians = self.input_hessians()
         return self.im
 
@@ -593,8 +595,7 @@ class Run:
         from .provenance import tokens_sha256
         if getattr(self, "train_blocks", None) is None:
             self.data()
-        calib = self.train_blocks[: getattr(self.a, "hessian_blocks", None)
-                                  or self.a.imatrix_blocks]
+        calib = self.train_blocks[: getattr(self.a, "hessian_blocks", None) or 64]
         inputs = {"model": self.model_id(), "tokens": tokens_sha256(calib)}
         with self.timer("input Hessians"):
             return ensure_hessians(self.ctx, self.out / "hessians.npz", calib, inputs)
@@ -671,8 +672,9 @@ class Run:
         if getattr(self, "menus", None) is not None:
             inputs["menus"] = hashlib.sha256(json.dumps(
                 {k: list(v) for k, v in sorted(self.menus.items())}).encode()).hexdigest()
-        if getattr(self.a, "rounding", "ggml") != "ggml":
+        if (getattr(self.a, "rounding", None) or "ggml") != "ggml":
             inputs["rounding"] = self.a.rounding
+            inputs["hessian_blocks"] = int(getattr(self.a, "hessian_blocks", None) or 64)
         return inputs
 
     def check_training_state(self, artifact: str, what: str, record_it: bool = True) -> None:
@@ -1119,6 +1121,23 @@ def _assignment_run_folder(a) -> None:
         a.output_dir = str(Path(a.assignment).resolve().parent)
 
 
+def _use_assignment_rounding(a, asg) -> None:
+    """export/eval ``--assignment A``: the candidates' rounding (and Hessian blocks) A's gates
+    were trained with, unless given. A different ``--rounding`` given explicitly is honoured
+    with one line saying so: the same types, but other bytes than the gates chose between."""
+    prov = asg.get("provenance") or {}
+    made = prov.get("rounding", "ggml")
+    if a.rounding is not None and a.rounding != made:
+        from .pipeline import log
+        log(f"{Path(a.assignment).name} was trained on --rounding {made} candidates; its types "
+            f"are written with --rounding {a.rounding} bytes as asked (leave --rounding out to "
+            f"write the very bytes its gates chose between)")
+        return
+    a.rounding = made
+    if a.hessian_blocks is None and "hessian_blocks" in prov:
+        a.hessian_blocks = int(prov["hessian_blocks"])
+
+
 def _use_assignment_imatrix(a, asg, r) -> None:
     """Without ``--imatrix``: the run folder's ``imatrix.gguf`` when it is the very file the
     assignment was trained with (sha256 in its provenance), whatever the calibration flags say,
@@ -1171,6 +1190,7 @@ def _export(argv):
         raise ProvenanceError(f"{a.assignment} was made for {_short(made_from)}, not for "
                               f"{_short(r.model_id())}; pass --model with the model it was "
                               "made for, or train one for this model")
+    _use_assignment_rounding(a, asg)
     _use_assignment_imatrix(a, asg, r)
     if a.imatrix is None and (not (r.out / "imatrix.gguf").is_file() or r.stale_imatrix()):
         r.data()
@@ -1272,6 +1292,7 @@ def _eval_torch(a) -> dict:
     r = Run(a)
     r.context()
     r.data()
+    _use_assignment_rounding(a, asg)
     _use_assignment_imatrix(a, asg, r)
     r.imatrix()
     _check_assignment_imatrix(a, asg, r)
