@@ -320,7 +320,9 @@ def read_documents(source: str | os.PathLike) -> tuple[list[str], str]:
                               "calibrating on evaluation text makes the evaluation meaningless",
                               stacklevel=2)
         elif hub is None and (p.suffix.lower() in (".txt", ".jsonl", ".parquet") or os.sep in s):
-            raise DatasetError(f"source file {p} does not exist")
+            raise DatasetError(f"calibration text {p} does not exist (--data_name): give a "
+                               ".txt, .jsonl or .parquet file that exists, or leave --data_name "
+                               "out for the default enwiki text")
         else:
             hub = hub or s
             docs = _read_hub(hub)
