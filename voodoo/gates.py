@@ -582,42 +582,12 @@ class ParamGates(nn.Module):
         self.mixed = nn.ModuleDict({_key(n): mw for n, mw in mixed.items()})
         self.base = nn.Module()
         self._plan = []          # [(param name, shape, transpose, dtype, owners, [(gguf, link)], full)]
-        owners: dict[int, list[tuple[nn.Module, str]]] = {}
         names: dict[int, str] = {}
-        for mod in model.modules():
-            for attr, p in list(mod._parameters.items()):
-                if p is not None:
-                    owners.setdefault(id(p), []).append((mod, attr))
-        params = dict(model.named_parameters(remove_duplicate=True))
-        for pname, links in tmap.by_param().items():
-            if pname not in params:
-                raise ValueError(f"the tensor map reads {pname!r}, which the model does not have "
-                                 "(a map derived for another model)")
-            p = params[pname]
+        for pname, p, own, t, view, links, full, simple in param_links(model, tmap, mixed,
+                                                                       "gate"):
             names[id(p)] = pname
-            transposes = {lk.transpose for _, lk in links}
-            if len(transposes) != 1:
-                raise ValueError(f"{pname}: read both transposed and not by the GGUF tensors "
-                                 f"{sorted({e.gguf_name for e, _ in links})}")
-            t = transposes.pop()
-            from .tensormap import row_view
-            view = row_view(p.detach(), t)
-            covered = np.zeros(view.shape[0], bool)
-            full_cols = True
-            for e, lk in links:
-                if e.gguf_name not in mixed:
-                    raise ValueError(f"no gate for {e.gguf_name}")
-                covered[lk.p_rows] = True
-                if lk.cols is not None and lk.cols.size != view.shape[1]:
-                    full_cols = False
-            full = bool(covered.all()) and full_cols
             if not full:
                 self.base.register_buffer(_key(pname), view.clone(), persistent=False)
-            own = owners[id(p)]
-            simple = (len(links) == 1 and full and links[0][1].cols is None and
-                      links[0][1].scale is None and
-                      np.array_equal(links[0][1].p_rows, np.arange(view.shape[0])) and
-                      np.array_equal(links[0][1].g_rows, np.arange(links[0][0].n_rows)))
             self._plan.append((pname, tuple(p.shape), t, p.dtype, own,
                                [(e.gguf_name, lk) for e, lk in links], full, simple))
             for mod, attr in own:
@@ -844,3 +814,46 @@ def install_param_gates(model: nn.Module, tmap, candidates: Mapping[str, torch.T
     with torch.no_grad():
         gates.assemble()
     return out
+
+
+def param_links(model: nn.Module, tmap, have, what: str):
+    """Walks the tensor map's HF parameters for :class:`ParamGates` and
+    :class:`voodoo.lazy.QuantizedParams`: yields ``(pname, p, owners, transpose, view, links,
+    full, simple)`` where ``owners`` lists the ``(module, attr)`` holding ``p``, ``view`` is
+    :func:`voodoo.tensormap.row_view` of it, ``full`` says the links cover every row and
+    column, and ``simple`` that one link copies it unchanged. Raises ValueError for a
+    parameter the model lacks, one read both transposed and not, or a GGUF tensor not in
+    ``have`` (``"no {what} for <name>"``)."""
+    from .tensormap import row_view
+    owners: dict[int, list[tuple[nn.Module, str]]] = {}
+    for mod in model.modules():
+        for attr, p in list(mod._parameters.items()):
+            if p is not None:
+                owners.setdefault(id(p), []).append((mod, attr))
+    params = dict(model.named_parameters(remove_duplicate=True))
+    for pname, links in tmap.by_param().items():
+        if pname not in params:
+            raise ValueError(f"the tensor map reads {pname!r}, which the model does not have "
+                             "(a map derived for another model)")
+        for e, _ in links:
+            if e.gguf_name not in have:
+                raise ValueError(f"no {what} for {e.gguf_name}")
+        p = params[pname]
+        transposes = {lk.transpose for _, lk in links}
+        if len(transposes) != 1:
+            raise ValueError(f"{pname}: read both transposed and not by the GGUF tensors "
+                             f"{sorted({e.gguf_name for e, _ in links})}")
+        t = transposes.pop()
+        view = row_view(p.detach(), t)
+        covered = np.zeros(view.shape[0], bool)
+        full_cols = True
+        for _, lk in links:
+            covered[lk.p_rows] = True
+            if lk.cols is not None and lk.cols.size != view.shape[1]:
+                full_cols = False
+        full = bool(covered.all()) and full_cols
+        simple = (len(links) == 1 and full and links[0][1].cols is None and
+                  links[0][1].scale is None and
+                  np.array_equal(links[0][1].p_rows, np.arange(view.shape[0])) and
+                  np.array_equal(links[0][1].g_rows, np.arange(links[0][0].n_rows)))
+        yield pname, p, owners[id(p)], t, view, links, full, simple

@@ -374,51 +374,19 @@ class QuantizedParams(torch.nn.Module):
 
     def __init__(self, model: torch.nn.Module, tmap, stores):
         super().__init__()
-        import numpy as np
-
-        from .gates import _key
-        from .tensormap import row_view
+        from .gates import _key, param_links
         self.stores = torch.nn.ModuleDict({_key(n): s for n, s in stores.items()})
         self.base = torch.nn.Module()
-        owners: dict[int, list] = {}
-        for mod in model.modules():
-            for attr, p in list(mod._parameters.items()):
-                if p is not None:
-                    owners.setdefault(id(p), []).append((mod, attr))
-        params = dict(model.named_parameters(remove_duplicate=True))
         self._entries: list[list] = []  # [pname, shape, transpose, dtype, links, full, simple]
         self._by_module: dict[int, tuple[torch.nn.Module, list[tuple[str, int]]]] = {}
-        for pname, links in tmap.by_param().items():
-            if pname not in params:
-                raise ValueError(f"the tensor map reads {pname!r}, which the model does not "
-                                 "have (a map derived for another model)")
-            for e, _ in links:
-                if e.gguf_name not in stores:
-                    raise ValueError(f"no quantized bytes for {e.gguf_name}")
-            p = params[pname]
-            transposes = {lk.transpose for _, lk in links}
-            if len(transposes) != 1:
-                raise ValueError(f"{pname}: read both transposed and not by the GGUF tensors "
-                                 f"{sorted({e.gguf_name for e, _ in links})}")
-            t = transposes.pop()
-            view = row_view(p.detach(), t)
-            covered = np.zeros(view.shape[0], bool)
-            full_cols = True
-            for e, lk in links:
-                covered[lk.p_rows] = True
-                if lk.cols is not None and lk.cols.size != view.shape[1]:
-                    full_cols = False
-            full = bool(covered.all()) and full_cols
+        for pname, p, own, t, view, links, full, simple in param_links(
+                model, tmap, stores, "quantized bytes"):
             if not full:
                 self.base.register_buffer(_key(pname), view.clone(), persistent=False)
-            simple = (len(links) == 1 and full and links[0][1].cols is None and
-                      links[0][1].scale is None and
-                      np.array_equal(links[0][1].p_rows, np.arange(view.shape[0])) and
-                      np.array_equal(links[0][1].g_rows, np.arange(links[0][0].n_rows)))
             i = len(self._entries)
             self._entries.append([pname, tuple(p.shape), t, p.dtype,
                                   [(e.gguf_name, lk) for e, lk in links], full, simple])
-            for mod, attr in owners[id(p)]:
+            for mod, attr in own:
                 del mod._parameters[attr]
                 setattr(mod, attr, self._placeholder(i, p.device))
                 self._by_module.setdefault(id(mod), (mod, []))[1].append((attr, i))
