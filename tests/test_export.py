@@ -12,7 +12,7 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter, LlamaFileType
 import cython_ggml
 from voodoo.export import (ExportError, assignment_types, export_gguf, output_name,
                            quantize_with_llama, tensor_pattern, write_tensor_type_file)
-from voodoo.llamacpp import LlamaCppNotBuilt, tool_path
+from voodoo.llamacpp import LlamaCppNotBuilt, tool_env, tool_path
 
 #: A mixed assignment for the tiny model: k-quants, i-quants needing an imatrix, Q8_0.
 MIXED = {
@@ -227,7 +227,8 @@ def test_export_matches_llama_quantize_and_loads(tiny_prepared, tmp_path):
     text.write_text(" ".join(["The quick brown fox jumps over the lazy dog."] * 60))
     r = subprocess.run([str(ppl), "-m", str(ours), "-f", str(text), "-c", "64", "-b", "64",
                         "--chunks", "2", "-t", "2", "--no-repack"],
-                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
+                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300,
+                       env=tool_env())
     assert r.returncode == 0, r.stdout[-3000:]
     assert "Final estimate: PPL" in r.stdout, r.stdout[-3000:]
 

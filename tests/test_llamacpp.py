@@ -91,3 +91,36 @@ def test_missing_tool_error_says_how_to_build(tmp_path, monkeypatch):
     monkeypatch.delenv("VOODOO_LLAMA_CPP", raising=False)
     with pytest.raises(llamacpp.LlamaCppNotBuilt, match="voodoo bootstrap.*only what is missing"):
         llamacpp.tool_path("llama-server")
+
+
+def test_exit_wait_shim_lets_a_log_thread_finish(tmp_path, monkeypatch):
+    """The shim preloaded by tool_env keeps a process alive at exit long enough for a worker
+    thread to print its last line, the way common_log's worker prints llama-perplexity's final
+    statistics. A stand-in program returns from main while its printing thread still sleeps
+    50 ms: without the shim the line is lost, with it the line arrives."""
+    import shutil
+    import subprocess
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler")
+    monkeypatch.setenv("VOODOO_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(llamacpp, "_EXIT_WAIT_LIB", [])
+    src = tmp_path / "late.c"
+    src.write_text('#include <pthread.h>\n#include <stdio.h>\n#include <unistd.h>\n'
+                   'static void *late(void *a) { usleep(50000); printf("LAST LINE\\n"); '
+                   'fflush(stdout); return a; }\n'
+                   'int main(void) { pthread_t t; pthread_create(&t, 0, late, 0); '
+                   'printf("first\\n"); fflush(stdout); return 0; }\n')
+    exe = tmp_path / "late"
+    subprocess.run([cc, "-O2", "-pthread", "-o", str(exe), str(src)], check=True)
+    plain = subprocess.run([str(exe)], capture_output=True, text=True)
+    assert plain.stdout == "first\n"
+    env = llamacpp.tool_env()
+    lib = llamacpp.exit_wait_lib()
+    assert lib is not None and lib.is_file() and str(lib) in env["LD_PRELOAD"].split()
+    assert lib.parent == tmp_path / "cache" / "shims"
+    shimmed = subprocess.run([str(exe)], capture_output=True, text=True, env=env)
+    assert shimmed.returncode == 0 and shimmed.stdout == "first\nLAST LINE\n", shimmed
+    # an LD_PRELOAD already set is kept, and the shim is not added twice
+    env2 = llamacpp.tool_env({**env, "LD_PRELOAD": env["LD_PRELOAD"] + " /x.so"})
+    assert env2["LD_PRELOAD"].split().count(str(lib)) == 1 and "/x.so" in env2["LD_PRELOAD"]

@@ -27,7 +27,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from .llamacpp import tool_path
+from .llamacpp import tool_env, tool_path
 
 __all__ = ["ChatError", "generate", "side_by_side", "Reply", "LlamaServer", "complete",
            "free_port", "port_in_use", "has_chat_template"]
@@ -86,7 +86,7 @@ def generate(gguf: str | os.PathLike, prompt: str, n_predict: int = 128, ctx: in
     t0 = time.monotonic()
     try:
         r = subprocess.run(args, stdin=subprocess.DEVNULL, capture_output=True, text=True,
-                           errors="replace", timeout=timeout)
+                           errors="replace", timeout=timeout, env=tool_env())
     except subprocess.TimeoutExpired as e:
         raise ChatError(f"llama-completion on {gguf.name} did not finish in {timeout} s") \
             from e
@@ -206,7 +206,7 @@ class LlamaServer:
             self.log = Path(name)
         self._logf = open(self.log, "w")
         self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=self._logf,
-                                     stderr=subprocess.STDOUT)
+                                     stderr=subprocess.STDOUT, env=tool_env())
         deadline = time.monotonic() + timeout
         while True:
             if self.proc.poll() is not None:

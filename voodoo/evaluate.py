@@ -25,7 +25,7 @@ import torch
 
 from .fsutil import atomic_write_text, sha256_file
 
-from voodoo.llamacpp import LlamaCppNotBuilt, cache_root, llama_cpp_commit, tool_path
+from voodoo.llamacpp import LlamaCppNotBuilt, cache_root, llama_cpp_commit, tool_env, tool_path
 
 __all__ = ["torch_ppl_kl", "run_perplexity", "kld_base", "parse_perplexity_output",
            "format_table", "save_report", "PerplexityError", "LlamaCppNotBuilt",
@@ -203,7 +203,7 @@ def _run_tool(args: list[str], timeout: float | None, desc: str | None = None) -
     from .progress import Progress
     if _NO_REPACK and "--no-repack" not in args:
         args = [*args, "--no-repack"]
-    p = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    p = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=tool_env())
     parts: list[str] = []
     state = {"bar": None}
 

@@ -380,7 +380,7 @@ def llama_imatrix(base_gguf: str | os.PathLike, blocks, out_path: str | os.PathL
     import subprocess
     import tempfile
 
-    from .llamacpp import tool_path
+    from .llamacpp import tool_env, tool_path
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     n, t = int(blocks.shape[0]), int(blocks.shape[1])
@@ -392,7 +392,7 @@ def llama_imatrix(base_gguf: str | os.PathLike, blocks, out_path: str | os.PathL
                "-o", str(part), "-c", str(t), "--chunks", str(n), "--no-ppl",
                "--process-output", "-t", str(threads or os.cpu_count() or 1)]
         r = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                           errors="replace", timeout=timeout)
+                           errors="replace", timeout=timeout, env=tool_env())
         if r.returncode or not part.is_file():
             tail = "\n".join(r.stdout.strip().splitlines()[-15:])
             raise RuntimeError(f"llama-imatrix failed on {base_gguf}:\n{tail}")

@@ -121,6 +121,66 @@ def tool_path(name: str) -> Path:
         "once) or set VOODOO_LLAMA_CPP to a llama.cpp build folder")
 
 
+#: C source of the exit shim preloaded into llama.cpp's tools (see :func:`tool_env`).
+_EXIT_WAIT_C = """\
+/* Voodoo: preloaded into llama.cpp's tools. common/log.cpp prints from a worker thread and
+   leaks its logger on purpose (llama.cpp issue #22142), so a process that exits while the
+   worker waits for a CPU loses its last lines: on a loaded machine llama-perplexity exits 0
+   without its final statistics. Waiting at exit lets the worker drain its queue. */
+#include <unistd.h>
+__attribute__((destructor)) static void voodoo_exit_wait(void) { usleep(%d); }
+"""
+#: How long the shim waits at exit (microseconds).
+EXIT_WAIT_US = 300_000
+_EXIT_WAIT_LIB: list = []
+
+
+def exit_wait_lib() -> Path | None:
+    """The shared library :func:`tool_env` preloads, built on first use (``cc``, ~0.1 s) into
+    ``<cache>/shims/``; None where no C compiler is found or the build fails (the tools then
+    run as they are, and callers fall back to running them again).
+
+    Why: llama.cpp's ``common_log`` writes from a worker thread and its logger is leaked at
+    exit (``common_log_main()`` in common/log.cpp, llama.cpp issue #22142). Measured on the
+    2-core machine with 4 busy loops: llama-perplexity ``--kl-divergence`` printed no final
+    statistics in 33 of 40 runs; with the shim (a destructor that sleeps 0.3 s at exit), 0 of
+    40. The tools' own code and results are unchanged."""
+    if _EXIT_WAIT_LIB:
+        return _EXIT_WAIT_LIB[0]
+    lib = cache_root() / "shims" / f"libvoodoo-exit-wait-{EXIT_WAIT_US}.so"
+    if not lib.is_file():
+        cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+        if cc is None:
+            return None
+        try:
+            lib.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
+                src, out = Path(tmp) / "exit_wait.c", Path(tmp) / lib.name
+                src.write_text(_EXIT_WAIT_C % EXIT_WAIT_US)
+                r = subprocess.run([cc, "-shared", "-fPIC", "-O2", "-o", str(out), str(src)],
+                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=120)
+                if r.returncode or not out.is_file():
+                    return None
+                os.replace(out, lib)
+        except (OSError, subprocess.SubprocessError):
+            return None
+    _EXIT_WAIT_LIB.append(lib)
+    return lib
+
+
+def tool_env(env: dict | None = None) -> dict:
+    """The environment to run a llama.cpp tool with: ``env`` (default ``os.environ``) with
+    :func:`exit_wait_lib` added to ``LD_PRELOAD`` (on Linux, when it could be built), so the
+    tool's last log lines reach its stdout even on a loaded machine."""
+    env = dict(os.environ if env is None else env)
+    lib = exit_wait_lib() if sys.platform.startswith("linux") else None
+    if lib is not None:
+        pre = env.get("LD_PRELOAD", "")
+        if str(lib) not in pre.split():
+            env["LD_PRELOAD"] = f"{lib} {pre}".strip()
+    return env
+
+
 def tools_status() -> dict[str, str | None]:
     """{tool name: path or None} for every tool in :data:`TOOLS`."""
     out = {}
