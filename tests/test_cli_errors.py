@@ -109,6 +109,28 @@ def test_bad_training_numbers_before_any_work(flag, value, tmp_path):
     nothing_written(out)
 
 
+@pytest.mark.parametrize("cmd, flags, words", [
+    ("train", ["--match_size", "Q9_K"], ["--match_size 'Q9_K'", "IQ4_XS", "number of bytes"]),
+    ("run", ["--match_size", "Q9_K"], ["--match_size 'Q9_K'", "IQ4_XS"]),
+    ("train", ["--data_name", "no-such-dir/calib.txt"], ["calib.txt does not exist",
+                                                         "leave --data_name out"]),
+    ("train", ["--data_name", "@DOCX@"], ["unsupported file type '.docx'", ".jsonl"]),
+])
+def test_bad_match_size_or_data_before_any_work(cmd, flags, words, tmp_path):
+    """A file type llama.cpp does not have and a calibration file that is missing or of an
+    unknown kind are refused before the model is loaded (the model path here does not exist)."""
+    if "@DOCX@" in flags:
+        docx = tmp_path / "calib.docx"
+        docx.write_text("text")
+        flags = [str(docx) if f == "@DOCX@" else f for f in flags]
+    out = tmp_path / "out"
+    rc, _, err = run_cli([cmd, "--model", str(tmp_path / "model-not-needed"),
+                          "--output_dir", str(out), *SMALL, *flags])
+    line = error_line(rc, err, cmd)
+    assert all(w in line for w in words), line
+    nothing_written(out)
+
+
 # ---------------------------------------------------------------------- --tensor_upgrades
 @pytest.mark.parametrize("spec, words", [
     ('[{"pattern": "ffn_down", "levels": 1}', "not valid JSON"),

@@ -206,6 +206,23 @@ def _check_train_numbers(a) -> None:
             raise UsageError(f"--{k} must be a finite number > 0, got {v}")
 
 
+def _check_inputs_early(a) -> None:
+    """--data_name and --match_size values that can never work, refused before the model loads
+    (a missing calibration file, a file type llama.cpp does not have)."""
+    from .data import DatasetError, check_source
+    if getattr(a, "data_name", None) is not None:
+        try:
+            check_source(a.data_name)
+        except DatasetError as e:
+            raise UsageError(str(e)) from None
+    t = str(getattr(a, "match_size", None) or "").strip()
+    if t and not t.replace("_", "").isdigit():
+        from .quants import FTYPE_NOMINAL_BPW
+        if t.upper() not in FTYPE_NOMINAL_BPW:
+            raise UsageError(f"--match_size {t!r}: give a number of bytes or a llama.cpp "
+                             f"file type ({', '.join(sorted(FTYPE_NOMINAL_BPW))})")
+
+
 def _check_ray_flags(a) -> None:
     """Ray-only flags without --ray fail before any work."""
     if getattr(a, "ray", False):
@@ -1031,6 +1048,7 @@ def _train(argv, run_all=False):
     a = ap.parse_args(argv)
     _check_ray_flags(a)
     _check_train_numbers(a)
+    _check_inputs_early(a)
     from .bake import parse_tensor_upgrades
     rules = parse_tensor_upgrades(a.tensor_upgrades)  # malformed JSON / regex: fail now
     r = Run(a)
@@ -1376,6 +1394,7 @@ def _tune(argv):
                    help="bake the best trial's gates and write its assignment and GGUF")
     a = ap.parse_args(argv)
     _check_train_numbers(a)
+    _check_inputs_early(a)
     for flag, (lo, hi) in (("size_weight_range", a.size_weight_range),
                            ("size_tolerance_range", a.size_tolerance_range),
                            ("lr_range", a.lr_range or (1, 2))):

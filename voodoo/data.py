@@ -290,6 +290,25 @@ def _read_hub(name: str) -> list[str]:
     return [t for t in ds["text"] if isinstance(t, str) and t.strip()]
 
 
+def check_source(source: str | os.PathLike) -> None:
+    """The checks :func:`read_documents` makes on a source before reading it, without reading
+    it: a local file that does not exist or has a suffix other than .txt/.jsonl/.parquet.
+    Raises DatasetError (what is wrong and what to give instead); returns None otherwise (hub
+    names and the default are checked when fetched)."""
+    s = str(source)
+    if s == DEFAULT_SOURCE or s.startswith("hf:"):
+        return
+    p = Path(s).expanduser()
+    if p.is_file():
+        if p.suffix.lower() not in (".txt", ".jsonl", ".parquet"):
+            raise DatasetError(f"{p}: unsupported file type {p.suffix.lower()!r} "
+                               "(expected .txt, .jsonl or .parquet)")
+    elif p.suffix.lower() in (".txt", ".jsonl", ".parquet") or os.sep in s:
+        raise DatasetError(f"calibration text {p} does not exist (--data_name): give a "
+                           ".txt, .jsonl or .parquet file that exists, or leave --data_name "
+                           "out for the default enwiki text")
+
+
 def read_documents(source: str | os.PathLike) -> tuple[list[str], str]:
     """Reads a source into a list of documents (strings, file order) and a canonical source
     description for meta.json. See the module docstring for the sources.
@@ -301,28 +320,17 @@ def read_documents(source: str | os.PathLike) -> tuple[list[str], str]:
         docs = [text for _, text in iter_wiki_articles(path)]
         desc = f"enwiki (gensim=={GENSIM_VERSION}:{Path(ENWIKI_MEMBER).name}, sha256 {ENWIKI_SHA256})"
     else:
+        check_source(s)
         p = Path(s).expanduser()
         hub = s[3:] if s.startswith("hf:") else None
         if hub is None and p.is_file():
             suffix = p.suffix.lower()
-            if suffix == ".txt":
-                docs = _read_txt(p)
-            elif suffix == ".jsonl":
-                docs = _read_jsonl(p)
-            elif suffix == ".parquet":
-                docs = _read_parquet(p)
-            else:
-                raise DatasetError(f"{p}: unsupported file type {suffix!r} "
-                                   "(expected .txt, .jsonl or .parquet)")
+            docs = {".txt": _read_txt, ".jsonl": _read_jsonl, ".parquet": _read_parquet}[suffix](p)
             desc = f"{p.resolve()} (sha256 {_sha256_file(p)})"
             if re.search(r"wiki.*test|test.*wiki", p.name, re.I):
                 warnings.warn(f"{p.name} looks like an evaluation split (wikitext test?); "
                               "calibrating on evaluation text makes the evaluation meaningless",
                               stacklevel=2)
-        elif hub is None and (p.suffix.lower() in (".txt", ".jsonl", ".parquet") or os.sep in s):
-            raise DatasetError(f"calibration text {p} does not exist (--data_name): give a "
-                               ".txt, .jsonl or .parquet file that exists, or leave --data_name "
-                               "out for the default enwiki text")
         else:
             hub = hub or s
             docs = _read_hub(hub)
