@@ -24,7 +24,7 @@ F16_FIELDS = {
     "Q8_0": [0], "Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2],
     "Q2_K": [80, 82], "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208],
     "IQ2_XXS": [0], "IQ2_XS": [0], "IQ2_S": [0], "IQ3_XXS": [0], "IQ3_S": [0], "IQ1_S": [0],
-    "IQ4_NL": [0], "IQ4_XS": [0], "IQ1_M": [],
+    "IQ4_NL": [0], "IQ4_XS": [0], "IQ1_M": [], "MXFP4": [],
 }
 
 #: fp16 bit patterns: +-0, the smallest and largest subnormals, the smallest normal, 1.0, a
@@ -105,6 +105,10 @@ def test_crafted_scales_zero_negzero_subnormal(name, device):
         b[:, 48:56] = u16.view(np.uint8)
     for off in F16_FIELDS[name]:
         b[:, off:off + 2] = rng.permutation(scales).astype("<u2").view(np.uint8).reshape(-1, 2)
+    if name == "MXFP4":  # E8M0 exponent byte: subnormal scales (0, 1), 1.0 (128), the largest
+        # whose values stay finite (252: 12 * 2^124), and a random spread in between
+        e = np.resize(np.array([0, 1, 2, 127, 128, 252], np.uint8), n_blocks)
+        b[:, 0] = np.where(np.arange(n_blocks) < 12, e, rng.integers(0, 253, n_blocks))
     b[-1] = 0                                   # an all-zero block
     ref = cg.dequantize(b.reshape(1, -1), name, n_blocks * t.block_size)
     assert np.isfinite(ref).all() and np.all(ref[0, -t.block_size:] == 0)

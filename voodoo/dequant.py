@@ -67,6 +67,8 @@ def _table(name: str, device: torch.device) -> torch.Tensor:
             arr = np.where(bits == 1, np.int32(-2**31), np.int32(0))
         elif name == "kvalues_iq4nl":
             arr = np.array(_gq.IQ4_NL.kvalues, dtype=np.float32)
+        elif name == "kvalues_mxfp4":   # E2M1 values doubled (ggml-common.h kvalues_mxfp4)
+            arr = np.array(_gq.MXFP4.kvalues, dtype=np.float32)
         else:
             cls = {"iq2xxs_grid": _gq.IQ2_XXS, "iq2xs_grid": _gq.IQ2_XS, "iq2s_grid": _gq.IQ2_S,
                    "iq3xxs_grid": _gq.IQ3_XXS, "iq3s_grid": _gq.IQ3_S,
@@ -367,6 +369,16 @@ def _iq4_nl(b):
     return d * kv                                                   # d * kvalues_iq4nl[q]
 
 
+def _mxfp4(b):
+    e = b[:, 0:1].to(torch.int32)                                   # E8M0 exponent (nb, 1)
+    # ggml_e8m0_to_fp32_half (ggml-impl.h): 2^(e-128) as float bits; subnormal for e < 2
+    bits = torch.where(e < 2, torch.bitwise_left_shift(torch.full_like(e, 0x00200000), e),
+                       (e - 1) << 23)
+    d = bits.view(torch.float32)
+    kv = _table("kvalues_mxfp4", b.device)[_nibbles(b[:, 1:17]).to(torch.int64)]
+    return kv * d                                                   # kvalues_mxfp4[q] * d
+
+
 def _iq4_xs(b):
     nb = b.shape[0]
     dev = b.device
@@ -411,6 +423,7 @@ _IMPL: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "Q2_K": _q2_k, "Q3_K": _q3_k, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k,
     "IQ2_XXS": _iq2_xxs, "IQ2_XS": _iq2_xs, "IQ2_S": _iq2_s, "IQ3_XXS": _iq3_xxs,
     "IQ3_S": _iq3_s, "IQ1_S": _iq1_s, "IQ1_M": _iq1_m, "IQ4_NL": _iq4_nl, "IQ4_XS": _iq4_xs,
+    "MXFP4": _mxfp4,
 }
 
 #: ggml type names :func:`dequantize` handles.

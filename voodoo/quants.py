@@ -25,7 +25,7 @@ __all__ = [
 #: Types that can be candidates or fallbacks (floating types included for the F16 fallback).
 _SUPPORTED = [
     "F32", "F16", "BF16", "Q8_0", "Q6_K", "Q5_K", "Q5_1", "Q5_0", "Q4_K", "Q4_1", "Q4_0",
-    "IQ4_XS", "IQ4_NL", "Q3_K", "IQ3_S", "IQ3_XXS", "Q2_K", "IQ2_S", "IQ2_XS", "IQ2_XXS",
+    "IQ4_XS", "IQ4_NL", "MXFP4", "Q3_K", "IQ3_S", "IQ3_XXS", "Q2_K", "IQ2_S", "IQ2_XS", "IQ2_XXS",
     "IQ1_M", "IQ1_S",
 ]
 

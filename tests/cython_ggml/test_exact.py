@@ -11,7 +11,7 @@ import cython_ggml as cg
 #: Every type of the default menus and of llama.cpp's shape fallbacks.
 ALL_TYPES = ["Q8_0", "Q6_K", "Q5_K", "Q4_K", "IQ4_XS", "Q3_K", "IQ3_S", "IQ3_XXS", "Q2_K",
              "IQ2_S", "IQ2_XS", "IQ2_XXS", "IQ1_M", "IQ1_S", "IQ4_NL", "Q5_1", "Q5_0", "Q4_1",
-             "Q4_0"]
+             "Q4_0", "MXFP4"]
 #: Types gguf-py can quantize (its reference, non-imatrix path).
 GGUF_QUANTIZABLE = ["Q8_0", "Q5_1", "Q5_0", "Q4_1", "Q4_0"]
 
