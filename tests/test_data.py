@@ -85,6 +85,31 @@ def test_txt_and_parquet_sources(smol_tokenizer, tmp_path):
     assert tr.shape[1] == 16 and tr.shape[0] == m["n_train_blocks"] > 2 and ev.shape == (2, 16)
 
 
+def test_one_document_txt_is_split_by_tokens(smol_tokenizer, tmp_path):
+    """A plain .txt with single blank lines between paragraphs is one document: eval takes the
+    last tokens of its stream, train the tokens before them (no shared text), with a warning;
+    a text too short for both is refused, naming the sizes."""
+    txt = tmp_path / "book.txt"
+    txt.write_text("\n\n".join(_docs(30)))
+    assert len(vd.read_documents(txt)[0]) == 1
+    with pytest.warns(UserWarning, match="too few to keep eval and train documents apart"):
+        m = vd.build_dataset(smol_tokenizer, txt, tmp_path / "d", seq_len=16, n_train_blocks=4,
+                             n_eval_blocks=2, seed=0)
+    tr, ev, meta = vd.load_dataset_dir(tmp_path / "d")
+    assert meta["split"] == "tokens" and tr.shape == (4, 16) and ev.shape == (2, 16)
+    stream = smol_tokenizer(txt.read_text().strip(), add_special_tokens=False)["input_ids"]
+    assert ev.reshape(-1).tolist() == stream[-32:]
+    assert tr.reshape(-1).tolist() == stream[:64] and len(stream) - 32 >= 64
+    assert m["n_train_blocks"] == 4
+    with pytest.raises(vd.DatasetError, match="tokens in all"):
+        vd.build_dataset(smol_tokenizer, txt, tmp_path / "e", seq_len=16,
+                         n_train_blocks=len(stream) // 16, n_eval_blocks=2)
+    # a source with documents to spare is still split by document
+    m = vd.build_dataset(smol_tokenizer, tmp_path / "book.txt", tmp_path / "f", seq_len=16,
+                         n_train_blocks=2, n_eval_blocks=0)
+    assert m["split"] == "documents"
+
+
 def test_errors(smol_tokenizer, jsonl_source, tmp_path):
     with pytest.raises(vd.DatasetError, match="fewer than"):
         vd.build_dataset(smol_tokenizer, jsonl_source, tmp_path / "x", seq_len=64,

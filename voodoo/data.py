@@ -8,7 +8,9 @@ A dataset folder holds::
 
 Documents are split into train and eval **by document** (by article for the built-in corpus), in
 an order fixed by ``seed``: the shuffled documents fill the eval blocks first, the rest fill the
-train blocks. Inside each split, documents are tokenized without special tokens, concatenated
+train blocks. A source with too few documents for that (eval would take them all, e.g. a plain
+``.txt`` that is one document) is split by tokens instead, with a warning: eval takes the last
+tokens of the stream, train the tokens before them (``meta.json``'s ``split``). Inside each split, documents are tokenized without special tokens, concatenated
 with EOS between documents and cut into blocks of ``seq_len`` (the remainder is dropped). No BOS
 is inserted; a block may start in the middle of a document.
 
@@ -406,20 +408,34 @@ def build_dataset(tokenizer, source: str | os.PathLike = DEFAULT_SOURCE,
     shuffled = [docs[i] for i in order]
 
     n_eval_tok = n_eval_blocks * seq_len
+    n_train_tok = None if n_train_blocks is None else n_train_blocks * seq_len
+    split = "documents"
     if n_eval_blocks:
         eval_ids, n_eval_docs = _token_stream(tokenizer, shuffled, eos, n_eval_tok)
         if len(eval_ids) < n_eval_tok:
             raise DatasetError(f"{desc}: all {len(docs)} documents give {len(eval_ids)} tokens, "
                                f"fewer than the {n_eval_tok} that {n_eval_blocks} eval blocks "
                                f"of {seq_len} need")
-        if n_eval_docs >= len(docs):
-            raise DatasetError(f"{desc}: eval needs all {len(docs)} documents; none left for "
-                               "train (ask for fewer eval blocks or a bigger source)")
     else:
         eval_ids, n_eval_docs = [], 0
-    train_docs = shuffled[n_eval_docs:]
-    n_train_tok = None if n_train_blocks is None else n_train_blocks * seq_len
-    train_ids, n_train_docs = _token_stream(tokenizer, train_docs, eos, n_train_tok)
+    if n_eval_blocks and n_eval_docs >= len(docs):
+        # too few documents to split by document (e.g. a plain .txt with no triple newline is
+        # one document): the token stream is split instead, eval = its last n_eval_tok tokens,
+        # train = what comes before them, so the two still share no text
+        stream, _ = _token_stream(tokenizer, shuffled, eos, None)
+        if len(stream) - n_eval_tok < max(seq_len, n_train_tok or 0):
+            raise DatasetError(f"{desc}: {len(stream)} tokens in all; {n_eval_blocks} eval "
+                               f"blocks and {n_train_blocks or 1} train block(s) of {seq_len} "
+                               "need more (ask for fewer blocks or give a bigger source)")
+        split = "tokens"
+        warnings.warn(f"{desc}: {len(docs)} document(s), too few to keep eval and train "
+                      f"documents apart; eval takes the last {n_eval_tok} tokens of the text "
+                      "and train the tokens before them", stacklevel=2)
+        eval_ids, train_ids = stream[len(stream) - n_eval_tok:], stream[:len(stream) - n_eval_tok]
+        n_eval_docs, n_train_docs = 0, len(docs)
+    else:
+        train_docs = shuffled[n_eval_docs:]
+        train_ids, n_train_docs = _token_stream(tokenizer, train_docs, eos, n_train_tok)
     if n_train_tok is not None and len(train_ids) < n_train_tok:
         raise DatasetError(f"{desc}: the {len(train_docs)} train documents give "
                            f"{len(train_ids)} tokens, fewer than the {n_train_tok} that "
@@ -451,6 +467,7 @@ def build_dataset(tokenizer, source: str | os.PathLike = DEFAULT_SOURCE,
         "eval_document_indices": sorted(int(i) for i in order[:n_eval_docs]),
         "train_document_indices": sorted(int(i) for i in order[n_eval_docs:
                                                                  n_eval_docs + n_train_docs]),
+        "split": split,
         "separator": "eos",
         "bos": False,
         "files": {"train.pt": _sha256_file(out / "train.pt"),
