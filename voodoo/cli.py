@@ -206,6 +206,23 @@ def _check_train_numbers(a) -> None:
             raise UsageError(f"--{k} must be a finite number > 0, got {v}")
 
 
+def _check_model_gguf(path, flag: str = "--gguf") -> None:
+    """A GGUF that llama.cpp can load as a model: the file exists, is a GGUF and records
+    ``general.architecture`` (an imatrix or other data GGUF does not). Raises UsageError."""
+    p = Path(path)
+    if not p.is_file():
+        raise UsageError(f"{flag} {path}: no such file")
+    try:
+        from gguf import GGUFReader
+        arch = GGUFReader(str(p)).get_field("general.architecture")
+    except Exception as e:  # noqa: BLE001  (gguf raises ValueError/struct/OS errors alike)
+        raise UsageError(f"{flag} {path}: not a GGUF file ({e})") from None
+    if arch is None:
+        raise UsageError(f"{flag} {path}: a GGUF without general.architecture, not a model "
+                         "(an imatrix or other data file?); give the model GGUF, e.g. the "
+                         "<name>.gguf that `voodoo export` wrote")
+
+
 def _check_inputs_early(a) -> None:
     """--data_name and --match_size values that can never work, refused before the model loads
     (a missing calibration file, a file type llama.cpp does not have)."""
@@ -1258,8 +1275,7 @@ def _eval(argv):
     if a.gguf:
         from .models import prepare_model
         for g in a.gguf:
-            if not Path(g).is_file():
-                raise UsageError(f"--gguf {g}: no such file")
+            _check_model_gguf(g)
         prepared = prepare_model(_model_arg(a))
         text = Path(a.eval_text) if a.eval_text else _default_eval_text()
         if text is not None and not text.is_file():
@@ -1472,8 +1488,7 @@ def _chat(argv):
     ap.add_argument("--threads", type=int, default=None,
                     help="CPU threads (default: llama.cpp's choice)")
     a = ap.parse_args(argv)
-    if not Path(a.gguf).is_file():
-        raise UsageError(f"--gguf {a.gguf}: no such file")
+    _check_model_gguf(a.gguf)
     if a.n_predict < 1:
         raise UsageError(f"--n_predict must be >= 1, got {a.n_predict}")
     ref = _reference_of(a) if a.reference else None
@@ -1528,8 +1543,7 @@ def _serve(argv):
     ap.add_argument("--stop_after", type=float, default=None,
                     help="stop by itself after this many seconds (default: run until Ctrl-C)")
     a = ap.parse_args(argv)
-    if not Path(a.gguf).is_file():
-        raise UsageError(f"--gguf {a.gguf}: no such file")
+    _check_model_gguf(a.gguf)
     import tempfile
     import time as _time
 
