@@ -354,8 +354,13 @@ def test_serve_on_a_port_in_use_says_so_and_leaves_the_other_server_alone(tmp_pa
     import socket
 
     from voodoo import cli
-    gguf = tmp_path / "m.gguf"
-    gguf.write_bytes(b"GGUF")
+    from gguf import GGUFWriter
+    gguf = tmp_path / "m.gguf"   # a GGUF with an architecture: past the --gguf check
+    w = GGUFWriter(str(gguf), "llama")
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen(1)
