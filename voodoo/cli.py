@@ -754,6 +754,10 @@ class Run:
             with self.timer("teacher"):
                 self.teacher = build_teacher(self.ctx, a.teacher_quant,
                                              checkpoint=a.teacher_checkpoint, lazy=True)
+        # the teacher runs where the student trains: the Fisher prior moved the dense one, but
+        # not a lazy teacher built after it, nor any teacher when no prior is computed (another
+        # --gate_init, or a resumed journal); on --device cuda those got cuda ids on the CPU
+        self.teacher.to(a.device)
         with self.timer("student"):
             from .train import torch_dtype
             self.mixed = build_student(self.ctx, self.menus, self.keys, self.cache,
