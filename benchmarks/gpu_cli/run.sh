@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# The CLI on one GPU (issue 11): voodoo train --lazy --device cuda (Q8_0 teacher, checkpointing) and
+# the eager student on cuda, on a SmolLM2-135M-shaped Llama with random weights; export; eval with
+# llama-perplexity. Stage first, here: bash benchmarks/gpu_cli/stage.sh (and ../shared/device/stage.sh
+# for .device); then on the GPU machine, from the repo root, carrying .device and .gpu:
+#   bash benchmarks/gpu_cli/run.sh        (env: LAYERS SEQ NB STEPS TMO MODES LIBONLY DEV DT OUT)
+set -uo pipefail
+O=${OUT:-/tmp/out}; mkdir -p $O
+[ -f .device/setup.sh ] && source .device/setup.sh
+export VOODOO_CACHE=${VOODOO_CACHE:-/tmp/vc} PYTHONUNBUFFERED=1
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+S=$VOODOO_CACHE/llama.cpp/0c1e57098
+DEV=${DEV:-cuda}
+if [ ! -f $S/src/convert_hf_to_gguf.py ]; then mkdir -p $S && tar xJf .gpu/llama-src.tar.xz -C $S; fi
+t0=$(date +%s)
+ls cython_ggml/_ggml*.so 2>/dev/null | grep -q "$(python3 -c 'import sysconfig;print(sysconfig.get_config_var("EXT_SUFFIX"))')" || \
+  (python3 setup.py build_ext --inplace > $O/build_ext.log 2>&1 || tail -20 $O/build_ext.log)
+python3 -c "
+from voodoo.llamacpp import build_lib, build_tools, PIPELINE_TOOLS
+import os
+print(build_lib()); os.environ.get('LIBONLY') or print(build_tools(tools=PIPELINE_TOOLS))" > $O/bootstrap.log 2>&1 || tail -30 $O/bootstrap.log
+echo "[gpu] built in $(( $(date +%s) - t0 )) s" | tee -a $O/progress.txt
+python3 -c "import torch; print('[gpu]', torch.__version__, torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no cuda')"
+M=/tmp/smol-random-${LAYERS:-30}
+[ -f $M/model.safetensors ] || python3 benchmarks/gpu_cli/make_model.py .gpu/tokenizer $M ${LAYERS:-30} 2>&1 | tail -1
+C="--model $M --data_name $PWD/.gpu/calib.txt --seq_len ${SEQ:-512} --n_train_blocks ${NB:-32} --n_eval_blocks 4 --imatrix_blocks 8 --no_ray --compression_ratio 0.55 --max_steps ${STEPS:-20} --device $DEV"
+for mode in ${MODES:-lazy eager}; do
+  t1=$(date +%s)
+  if [ $mode = lazy ]; then X="--lazy --gradient_checkpointing --teacher_quant Q8_0 --dtype ${DT:-bfloat16}"; else X="--dtype ${DT:-bfloat16}"; fi
+  timeout ${TMO:-200} python3 -m voodoo.cli train $C --output_dir $O/$mode $X > $O/train_$mode.log 2>&1; rc=$?
+  echo "[gpu] train $mode rc=$rc in $(( $(date +%s) - t1 )) s" | tee -a $O/progress.txt
+  grep -E "predicted device memory|peak|baked|gate training|steps/s|memory" $O/train_$mode.log | tail -8
+  tail -3 $O/train_$mode.log
+done
+[ -n "${MODES:-}" ] && exit 0
+python3 - $O <<'PY'
+import json, sys, glob
+o = sys.argv[1]
+a = {m: json.load(open(glob.glob(f"{o}/{m}/*.assignment.json")[0]))["tensors"] for m in ("lazy", "eager")}
+t = lambda v: v if isinstance(v, str) else v.get("type")
+diff = [k for k in a["lazy"] if t(a["lazy"][k]) != t(a["eager"].get(k))]
+print(f"[gpu] lazy vs eager assignments: {len(diff)} of {len(a['lazy'])} tensors differ", diff[:5])
+PY
+t1=$(date +%s)
+A=$(ls $O/lazy/*.assignment.json)
+python3 -m voodoo.cli export --model $M --output_dir $O/lazy --no_ray --assignment $A > $O/export.log 2>&1; echo "[gpu] export rc=$? $(( $(date +%s) - t1 )) s" | tee -a $O/progress.txt
+tail -4 $O/export.log
+G=${A%.assignment.json}.gguf
+python3 -m voodoo.cli eval --model $M --output_dir $O/lazy --gguf $G --eval_text $PWD/.gpu/calib.txt --chunks 8 > $O/eval.log 2>&1; echo "[gpu] eval rc=$?" | tee -a $O/progress.txt
+tail -12 $O/eval.log
+rm -f $O/*/*.gguf
