@@ -622,8 +622,10 @@ def plan_precache(jobs: Iterable, cache: CandidateCache, verify: bool = True
         key = candidate_key(w, t, im, _weights_sha=wsha[id(j.weights)][1], rounding=rnd)
         key.row_size  # raises ValueError now for a type the row length does not fit
         if im is None and requires_imatrix(t, j.gguf_name):
-            raise ValueError(f"{t} needs an importance matrix for {j.gguf_name!r} "
-                             "(llama-quantize's tensor_requires_imatrix rule); none given")
+            raise ValueError(f"{t} needs an importance matrix row for {j.gguf_name!r} "
+                             "(llama-quantize's tensor_requires_imatrix rule, or libggml's "
+                             "ggml_quantize_requires_imatrix) and the imatrix has none; take "
+                             f"{t} out of that tensor's menu or give an imatrix that covers it")
         result[(j.gguf_name, t)] = key
         if key in seen:
             continue

@@ -499,6 +499,7 @@ class Run:
         self.menus = make_menus(self.ctx.specs, a.candidate_types, a.attention_candidates,
                                 a.non_attention_candidates)
         self.menus = _range_safe_menus(self.ctx, self.menus)
+        self.menus = self.imatrix_safe(self.menus)
         self.table = bytes_table(self.ctx.specs, self.menus)
         match = self.match_size_budget()
         if match == -1:  # --match_size TYPE: known once the imatrix exists
@@ -641,12 +642,37 @@ class Run:
             self.menus = make_menus(self.ctx.specs, a.candidate_types, a.attention_candidates,
                                     a.non_attention_candidates)
         self.menus = _range_safe_menus(self.ctx, self.menus)
+        n_before = sum(len(m) for m in self.menus.values())
+        self.menus = self.imatrix_safe(self.menus, say=True)
+        if sum(len(m) for m in self.menus.values()) != n_before and \
+                getattr(self, "budget", None) is not None:
+            from .budget import check_reachable
+            from .pipeline import bytes_table
+            self.table = bytes_table(self.ctx.specs, self.menus)
+            check_reachable(self.budget, self.table, self.ctx.shapes)
         self.cache = _cache(a)
         with self.timer("candidates (libggml)"):
             self.keys = ensure_candidates(self.ctx, self.menus, self.im, self.cache,
                                           _precache_fn(a),
                                           hessians=getattr(self, "hessians", None))
         return self.keys
+
+    def imatrix_safe(self, menus, say: bool = False):
+        """``menus`` without the types a tensor cannot have for want of an imatrix row
+        (:func:`voodoo.quants.imatrix_safe_menus`), once the imatrix is known (unchanged
+        before); ``say``: one line naming what was taken out."""
+        if not hasattr(self, "im"):
+            return menus
+        from .quants import imatrix_safe_menus
+        menus, dropped = imatrix_safe_menus(menus, self.im)
+        if say and dropped:
+            names = sorted(dropped)
+            types = sorted({t for v in dropped.values() for t in v})
+            print(f"[voodoo] {', '.join(types)} left out of the menu of {names[0]}"
+                  + (f" and {len(names) - 1} more" if len(names) > 1 else "")
+                  + ": the imatrix has no row for them (read only by get_rows, e.g. an untied "
+                  "token_embd) and libggml cannot write these types without one", flush=True)
+        return menus
 
     def train_config(self):
         """The TrainConfig of this invocation's flags (budget from :meth:`menus_and_budget`)."""

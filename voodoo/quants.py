@@ -19,7 +19,7 @@ __all__ = [
     "QuantType", "TYPES", "qtype", "fallback_type", "tensor_nbytes", "build_menu",
     "DEFAULT_ATTENTION_MENU", "DEFAULT_NON_ATTENTION_MENU", "IMATRIX_REQUIRED",
     "requires_imatrix", "FTYPE_NOMINAL_BPW", "nearest_ftype", "Q8_0", "F16_MAX",
-    "range_safe_menu",
+    "range_safe_menu", "imatrix_safe_menus", "GGML_IMATRIX_REQUIRED",
 ]
 
 #: Types that can be candidates or fallbacks (floating types included for the F16 fallback).
@@ -157,9 +157,37 @@ def tensor_nbytes(t, n_rows: int, n_per_row: int) -> int:
     return n_rows * fallback_type(t, n_per_row).row_nbytes(n_per_row)
 
 
+#: libggml's ``ggml_quantize_requires_imatrix`` (``ggml/src/ggml.c``): these abort in
+#: ``ggml_quantize_chunk`` without an imatrix row, whatever the tensor's name.
+GGML_IMATRIX_REQUIRED = frozenset(["IQ2_XXS", "IQ2_XS", "IQ1_S"])
+
+
 def requires_imatrix(t, tensor_name: str | None = None) -> bool:
-    """llama-quantize's ``tensor_requires_imatrix`` rule (see :data:`IMATRIX_REQUIRED`)."""
-    return qtype(t).name in IMATRIX_REQUIRED and tensor_name not in _IMATRIX_EXEMPT
+    """Whether ``t`` cannot be written for ``tensor_name`` without an imatrix row: llama-quantize's
+    ``tensor_requires_imatrix`` rule (see :data:`IMATRIX_REQUIRED`; ``token_embd.weight`` and
+    ``output.weight`` exempt), and for every tensor libggml's own rule
+    (:data:`GGML_IMATRIX_REQUIRED`; llama-quantize aborts on those, e.g. an untied
+    ``token_embd.weight``, read only by get_rows, has no imatrix row)."""
+    name = qtype(t).name
+    return (name in IMATRIX_REQUIRED and tensor_name not in _IMATRIX_EXEMPT) or \
+        name in GGML_IMATRIX_REQUIRED
+
+
+def imatrix_safe_menus(menus, imatrix) -> tuple[dict, dict]:
+    """``menus`` (gguf_name -> type names) without the types a tensor cannot have because the
+    imatrix holds no row for it (:func:`requires_imatrix`; ``imatrix`` None: no tensor has
+    one). A menu that would become empty is kept whole (the candidate stage then names the
+    problem). Returns ``(menus, dropped)``, ``dropped``: gguf_name -> the types removed."""
+    out, dropped = {}, {}
+    for name, menu in menus.items():
+        if imatrix is not None and imatrix.get(name) is not None:
+            out[name] = list(menu)
+            continue
+        keep = [t for t in menu if not requires_imatrix(t, name)]
+        out[name] = keep if keep else list(menu)
+        if keep and len(keep) < len(menu):
+            dropped[name] = [t for t in menu if t not in keep]
+    return out, dropped
 
 
 def build_menu(types, n_per_row: int) -> list[QuantType]:
