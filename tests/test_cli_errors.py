@@ -150,6 +150,45 @@ def test_gguf_that_is_no_model(cmd, tmp_path):
     assert "not a GGUF file" in error_line(rc, err, cmd)
 
 
+def _model_gguf(path, model=None):
+    from gguf import GGUFWriter
+    w = GGUFWriter(str(path), "llama")
+    if model is not None:
+        w.add_string("voodoo.model", model)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_eval_refuses_to_score_a_gguf_against_a_model_it_was_not_made_from(tmp_path, capsys):
+    """Without --model, a GGUF that records no voodoo.model used to be scored against the
+    default model, and several GGUFs against the first one's model, as valid-looking rows
+    (KLD 16.9, same top-p 0). Now: one line with the way out; with --model, a warning for a
+    file that records another model."""
+    from types import SimpleNamespace
+
+    from voodoo import cli
+    stock = _model_gguf(tmp_path / "stock.Q4_K_M.gguf")
+    a = _model_gguf(tmp_path / "a.gguf", "ModelA@sha256:" + "a" * 64)
+    b = _model_gguf(tmp_path / "b.gguf", "ModelB@sha256:" + "b" * 64)
+    rc, _, err = run_cli(["eval", "--gguf", str(stock)])
+    line = error_line(rc, err, "eval")
+    assert "stock.Q4_K_M.gguf records no voodoo.model" in line and "--model" in line, line
+    rc, _, err = run_cli(["eval", "--gguf", str(a), str(b)])
+    line = error_line(rc, err, "eval")
+    assert "different models" in line and "a.gguf from ModelA" in line and \
+        "b.gguf from ModelB" in line, line
+    ref = tmp_path / "ref.gguf"
+    ref.write_bytes(b"reference bytes")
+    cli._warn_other_model(SimpleNamespace(gguf=[str(a), str(stock)]),
+                          SimpleNamespace(name="ModelC", reference_gguf=str(ref)))
+    err = capsys.readouterr().err
+    assert "a.gguf was made from ModelA" in err and "not from ModelC" in err
+    assert "stock.Q4_K_M" not in err
+
+
 # ---------------------------------------------------------------------- --tensor_upgrades
 @pytest.mark.parametrize("spec, words", [
     ('[{"pattern": "ffn_down", "levels": 1}', "not valid JSON"),

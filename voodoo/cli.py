@@ -223,6 +223,53 @@ def _check_model_gguf(path, flag: str = "--gguf") -> None:
                          "<name>.gguf that `voodoo export` wrote")
 
 
+def _check_eval_models(a) -> None:
+    """``eval --gguf`` without --model: each file is scored against the reference of the model
+    it records (``voodoo.model``), so a file that records none, or files that record different
+    models, would be scored against the wrong model (the first file's, or the default model);
+    refused with the way out. Raises UsageError."""
+    if a.model:
+        return
+    from .export import gguf_model_id, parse_model_id
+    ids = {g: gguf_model_id(g) for g in a.gguf}
+    if not getattr(a, "assignment", None):
+        missing = [g for g, m in ids.items() if m is None]
+        if missing:
+            raise UsageError(f"{Path(missing[0]).name} records no voodoo.model (not written by "
+                             "Voodoo?); pass --model with the model it was made from: its KLD "
+                             "is measured against that model's reference")
+    models = {}
+    for g, m in ids.items():
+        if m is not None:
+            name, sha = parse_model_id(m)
+            models.setdefault(sha or m, (name, Path(g).name))
+    if len(models) > 1:
+        made = "; ".join(f"{f} from {n}" for n, f in models.values())
+        raise UsageError(f"the --gguf files were made from different models ({made}); "
+                         "evaluate each model's files in their own `voodoo eval` (KLD is "
+                         "measured against one model's reference)")
+
+
+def _warn_other_model(a, prepared) -> None:
+    """One line for each --gguf that records a model other than the one it is scored against
+    (names or reference hashes differ): its KLD is then not about its own model."""
+    from .evaluate import _sha256_file
+    from .export import gguf_model_id, parse_model_id
+    ref_sha = None
+    for g in a.gguf:
+        m = gguf_model_id(g)
+        if m is None:
+            continue
+        name, sha = parse_model_id(m)
+        if sha is None:
+            continue
+        ref_sha = ref_sha or _sha256_file(Path(prepared.reference_gguf))
+        if sha != ref_sha:
+            print(f"[voodoo] warning: {Path(g).name} was made from {name} (reference sha256 "
+                  f"{sha[:12]}…), not from {prepared.name} ({ref_sha[:12]}…) that it is "
+                  "scored against; its KLD is not about its own model", file=sys.stderr)
+
+
 def _check_inputs_early(a) -> None:
     """--data_name and --match_size values that can never work, refused before the model loads
     (a missing calibration file, a file type llama.cpp does not have)."""
@@ -1306,7 +1353,9 @@ def _eval(argv):
         from .models import prepare_model
         for g in a.gguf:
             _check_model_gguf(g)
+        _check_eval_models(a)
         prepared = prepare_model(_model_arg(a))
+        _warn_other_model(a, prepared)
         text = Path(a.eval_text) if a.eval_text else _default_eval_text()
         if text is not None and not text.is_file():
             raise UsageError(f"--eval_text {text}: no such file")
