@@ -445,3 +445,26 @@ def test_export_uses_the_assignments_folder_and_refuses_another_imatrix(
     line = error_line(rc, err, "export")
     assert "trained with another imatrix" in line and "--imatrix" in line
     assert not list(other.glob("*.Voodoo*.gguf"))
+
+
+def test_ray_student_factory_paths_are_absolute(tmp_path, monkeypatch):
+    """`train --ray --output_dir runs/x` (relative) failed after every expensive stage: the
+    Ray Train worker, in its own working directory, could not find runs/x/imatrix.gguf. The
+    factory handed to the workers now holds absolute paths."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from voodoo import cli
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs" / "x").mkdir(parents=True)
+    a = SimpleNamespace(model=str(tmp_path / "model-dir"), teacher_quant="BF16",
+                        teacher_checkpoint=None, dtype=None, lazy=False)
+    run = SimpleNamespace(a=a, menus={"t": ["Q8_0"]}, imatrix_path=Path("runs/x/imatrix.gguf"),
+                          cache=SimpleNamespace(root=Path("cache")), out=Path("runs/x"),
+                          train_blocks=torch.zeros(1, 4, dtype=torch.long), eval_blocks=None,
+                          budget=1, hessians=object())
+    f = cli.Run.student_factory(run)
+    for p in (f.imatrix, f.cache_dir, f.hessians):
+        assert Path(p).is_absolute() and str(p).startswith(str(tmp_path)), p
+    assert f.imatrix == str(tmp_path / "runs" / "x" / "imatrix.gguf")

@@ -755,11 +755,13 @@ class Run:
         return StudentFactory(
             model=model,
             menus={k: list(v) for k, v in self.menus.items()},
-            imatrix=str(self.imatrix_path) if getattr(self, "imatrix_path", None) else None,
-            cache_dir=str(self.cache.root), train_blocks=self.train_blocks,
+            # absolute paths: Ray Train workers run in their own working directory
+            imatrix=(str(Path(self.imatrix_path).resolve())
+                     if getattr(self, "imatrix_path", None) else None),
+            cache_dir=str(Path(self.cache.root).resolve()), train_blocks=self.train_blocks,
             eval_blocks=self.eval_blocks, teacher_quant=a.teacher_quant,
             teacher_checkpoint=a.teacher_checkpoint, dtype=a.dtype, budget=int(self.budget),
-            hessians=(str(self.out / "hessians.npz")
+            hessians=(str((self.out / "hessians.npz").resolve())
                       if getattr(self, "hessians", None) is not None else None),
             lazy=a.lazy)
 
