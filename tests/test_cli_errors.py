@@ -468,3 +468,21 @@ def test_ray_student_factory_paths_are_absolute(tmp_path, monkeypatch):
     for p in (f.imatrix, f.cache_dir, f.hessians):
         assert Path(p).is_absolute() and str(p).startswith(str(tmp_path)), p
     assert f.imatrix == str(tmp_path / "runs" / "x" / "imatrix.gguf")
+
+
+def test_eval_assignment_reuses_the_runs_data_settings(tmp_path):
+    """`eval --assignment` of a run trained with --seq_len 64 --n_train_blocks 8 rebuilt the
+    run's data folder with the defaults (512 x 48), over the blocks the gates were trained on.
+    The flags not given now come from the run's data/meta.json; given ones win."""
+    from types import SimpleNamespace
+
+    from voodoo import cli
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "meta.json").write_text(json.dumps(
+        {"source_arg": "cal.jsonl", "seq_len": 64, "n_train_blocks": 8, "n_eval_blocks": 2,
+         "seed": 3}))
+    a = SimpleNamespace(data_dir=None, output_dir=str(tmp_path), data_name=None, seq_len=None,
+                        n_train_blocks=None, n_eval_blocks=4, seed=None)
+    cli._data_of_run(a)
+    assert (a.data_name, a.seq_len, a.n_train_blocks, a.n_eval_blocks, a.seed) == \
+        ("cal.jsonl", 64, 8, 4, 3)

@@ -1235,6 +1235,26 @@ def _assignment_run_folder(a) -> None:
         a.output_dir = str(Path(a.assignment).resolve().parent)
 
 
+#: the dataset flags (:func:`_data_flags`) a run's ``data/meta.json`` records
+_DATA_KEYS = {"data_name": "source_arg", "seq_len": "seq_len",
+              "n_train_blocks": "n_train_blocks", "n_eval_blocks": "n_eval_blocks",
+              "seed": "seed"}
+
+
+def _data_of_run(a) -> None:
+    """``eval --assignment``: the dataset flags not given are the run's own (its
+    ``data/meta.json``), so the run's calibration data is reused, never rebuilt with other
+    settings over the data the gates were trained on."""
+    d = Path(a.data_dir) if a.data_dir else Path(a.output_dir) / "data"
+    try:
+        meta = json.loads((d / "meta.json").read_text())
+    except (OSError, ValueError):
+        return
+    for flag, key in _DATA_KEYS.items():
+        if getattr(a, flag) is None and meta.get(key) is not None:
+            setattr(a, flag, meta[key])
+
+
 def _use_assignment_rounding(a, asg) -> None:
     """export/eval ``--assignment A``: the candidates' rounding (and Hessian blocks) A's gates
     were trained with, unless given. A different ``--rounding`` given explicitly is honoured
@@ -1341,12 +1361,18 @@ def _eval(argv):
     ap.add_argument("--teacher_quant", default="BF16", choices=["BF16", "Q8_0", "F32"],
                     help="with --assignment: the teacher KL is measured against")
     ap.add_argument("--report", default=None, help="write report.json/.md here")
+    data_defaults = {k: ap.get_default(k) for k in _DATA_KEYS}
+    ap.set_defaults(**{k: None for k in _DATA_KEYS})  # None: not given (see below)
     a = ap.parse_args(argv)
     if not a.gguf and not a.assignment:
         raise UsageError("give --gguf FILE(s) (llama-perplexity) and/or --assignment FILE "
                          "(torch PPL/KL of the baked student)")
     if a.assignment:
         _assignment_run_folder(a)
+        _data_of_run(a)
+    for k, v in data_defaults.items():
+        if getattr(a, k) is None:
+            setattr(a, k, v)
     from .evaluate import format_table, run_perplexity, save_report
     rows = []
     if a.assignment:
