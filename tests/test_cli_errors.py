@@ -115,6 +115,8 @@ def test_bad_training_numbers_before_any_work(flag, value, tmp_path):
     ("train", ["--data_name", "no-such-dir/calib.txt"], ["calib.txt does not exist",
                                                          "leave --data_name out"]),
     ("train", ["--data_name", "@DOCX@"], ["unsupported file type '.docx'", ".jsonl"]),
+    ("run", ["--ctx", "64", "--chunks", "2"], ["scores 62 tokens", "raise --chunks"]),
+    ("eval", ["--ctx", "64", "--chunks", "2", "--gguf", "x.gguf"], ["scores 62 tokens"]),
 ])
 def test_bad_match_size_or_data_before_any_work(cmd, flags, words, tmp_path):
     """A file type llama.cpp does not have and a calibration file that is missing or of an
@@ -124,8 +126,8 @@ def test_bad_match_size_or_data_before_any_work(cmd, flags, words, tmp_path):
         docx.write_text("text")
         flags = [str(docx) if f == "@DOCX@" else f for f in flags]
     out = tmp_path / "out"
-    rc, _, err = run_cli([cmd, "--model", str(tmp_path / "model-not-needed"),
-                          "--output_dir", str(out), *SMALL, *flags])
+    common = ["--model", str(tmp_path / "model-not-needed"), "--output_dir", str(out)]
+    rc, _, err = run_cli([cmd, *common, *(SMALL if cmd != "eval" else []), *flags])
     line = error_line(rc, err, cmd)
     assert all(w in line for w in words), line
     nothing_written(out)
@@ -340,8 +342,12 @@ def test_interrupted_export_leaves_no_file(tiny_fixed, tmp_path):  # noqa: F811
 
 
 @pytest.mark.slow
-def test_sigint_during_cli_export_leaves_no_file(tiny_fixed, tmp_path):  # noqa: F811
-    """``voodoo export`` in a subprocess, interrupted (SIGINT) while writing tensors."""
+@pytest.mark.parametrize("sig, status, word", [(signal.SIGINT, 130, "interrupted"),
+                                             (signal.SIGTERM, 143, "terminated (SIGTERM)")])
+def test_sigint_during_cli_export_leaves_no_file(sig, status, word, tiny_fixed,  # noqa: F811
+                                                 tmp_path):
+    """``voodoo export`` in a subprocess, interrupted (SIGINT, or SIGTERM as `timeout` and
+    schedulers send it) while writing tensors."""
     from voodoo.models import prepare_model
     from voodoo.pipeline import base_weights
     prepared = prepare_model(tiny_fixed)
@@ -374,10 +380,10 @@ def test_sigint_during_cli_export_leaves_no_file(tiny_fixed, tmp_path):  # noqa:
     line = proc.stdout.readline()
     assert "EXPORTING" in line, proc.communicate()[1][-2000:]
     time.sleep(2.0)
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(sig)
     _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 130, err[-2000:]
-    assert "voodoo export: interrupted" in err and "Traceback" not in err
+    assert proc.returncode == status, err[-2000:]
+    assert f"voodoo export: {word}" in err and "Traceback" not in err
     assert not (out / "x.gguf").exists()
     left = sorted(p.name for p in out.iterdir())
     # the stages before export (and the run folder's provenance record), nothing of it

@@ -120,6 +120,11 @@ def test_errors(smol_tokenizer, jsonl_source, tmp_path):
     bad.write_text('{"txt": "x"}\n')
     with pytest.raises(vd.DatasetError, match="text"):
         vd.read_documents(bad)
+    for suffix, raw in ((".txt", "caf\xe9\n"), (".jsonl", '{"text": "caf\xe9"}\n')):
+        latin = tmp_path / f"latin{suffix}"
+        latin.write_bytes(raw.encode("latin1"))
+        with pytest.raises(vd.DatasetError, match=f"latin{suffix} is not UTF-8 text.*iconv"):
+            vd.read_documents(latin)
     with pytest.raises(vd.DatasetError, match="no meta.json"):
         vd.load_dataset_dir(tmp_path / "empty")
     vd.build_dataset(smol_tokenizer, jsonl_source, tmp_path / "ok", seq_len=16, n_train_blocks=2,

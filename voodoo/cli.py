@@ -279,6 +279,13 @@ def _check_inputs_early(a) -> None:
             check_source(a.data_name)
         except DatasetError as e:
             raise UsageError(str(e)) from None
+    ctx, chunks = getattr(a, "ctx", None), getattr(a, "chunks", None)
+    if ctx and chunks and chunks * (ctx - 1 - ctx // 2) < 100:
+        # kl_divergence() in llama.cpp's tools/perplexity: no statistics below 100 scored
+        # tokens; each chunk scores its second half (ctx - 1 - ctx/2 tokens)
+        raise UsageError(f"--ctx {ctx} --chunks {chunks} scores {chunks * (ctx - 1 - ctx // 2)}"
+                         " tokens; llama-perplexity prints no KLD below 100: raise --chunks or "
+                         "--ctx")
     t = str(getattr(a, "match_size", None) or "").strip()
     if t and not t.replace("_", "").isdigit():
         from .quants import FTYPE_NOMINAL_BPW
@@ -1367,6 +1374,7 @@ def _eval(argv):
     if not a.gguf and not a.assignment:
         raise UsageError("give --gguf FILE(s) (llama-perplexity) and/or --assignment FILE "
                          "(torch PPL/KL of the baked student)")
+    _check_inputs_early(a)
     if a.assignment:
         _assignment_run_folder(a)
         _data_of_run(a)
@@ -1705,6 +1713,18 @@ def main(argv: list[str] | None = None) -> int:
     fn, _ = COMMANDS[argv[0]]
     from .progress import tame_tqdm
     tame_tqdm()  # progress bars in log files: a line every 30 s, no carriage returns
+    import signal
+    import threading
+    term = {"got": False}
+
+    def _on_term(signum, frame):
+        # SIGTERM (timeout, a scheduler, `kill`) ends the run as Ctrl-C does: the training
+        # journal keeps the last finished step; exit status 143 as for an unhandled SIGTERM
+        term["got"] = True
+        raise KeyboardInterrupt
+    old_term = None
+    if threading.current_thread() is threading.main_thread():
+        old_term = signal.signal(signal.SIGTERM, _on_term)
     try:
         return int(fn(argv[1:]) or 0)
     except (ValueError, OSError, RuntimeError) as e:
@@ -1718,9 +1738,13 @@ def main(argv: list[str] | None = None) -> int:
             raise
         # every output is written to a temporary name and renamed when complete, and the
         # training journal is saved atomically: nothing half-written is left at a final name
-        print(f"voodoo {argv[0]}: interrupted; nothing half-written was left (rerun the same "
-              "command to continue)", file=sys.stderr)
-        return 130
+        print(f"voodoo {argv[0]}: {'terminated (SIGTERM)' if term['got'] else 'interrupted'}; "
+              "nothing half-written was left (rerun the same command to continue)",
+              file=sys.stderr)
+        return 143 if term["got"] else 130
+    finally:
+        if old_term is not None:
+            signal.signal(signal.SIGTERM, old_term)
 
 
 if __name__ == "__main__":

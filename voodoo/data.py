@@ -243,26 +243,37 @@ def strip_wiki_markup(text: str) -> str:
 
 
 # ------------------------------------------------------------------------------------ sources
+def _not_utf8(path: Path, e: UnicodeDecodeError) -> DatasetError:
+    return DatasetError(f"{path} is not UTF-8 text ({e}); convert it first, e.g. `iconv -f "
+                        f"latin1 -t utf-8 {path.name} > {path.stem}.utf8{path.suffix}`")
+
+
 def _read_txt(path: Path) -> list[str]:
-    text = path.read_text(encoding="utf-8")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise _not_utf8(path, e) from None
     docs = [d.strip() for d in re.split(r"\n[ \t]*\n[ \t]*\n+", text)]
     return [d for d in docs if d]
 
 
 def _read_jsonl(path: Path) -> list[str]:
+    try:
+        lines = path.read_text(encoding="utf-8").split("\n")
+    except UnicodeDecodeError as e:
+        raise _not_utf8(path, e) from None
     docs = []
-    with open(path, encoding="utf-8") as f:
-        for i, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DatasetError(f"{path}:{i}: not JSON ({e})") from None
-            if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
-                raise DatasetError(f"{path}:{i}: expected an object with a string \"text\" field")
-            if obj["text"].strip():
-                docs.append(obj["text"])
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DatasetError(f"{path}:{i}: not JSON ({e})") from None
+        if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
+            raise DatasetError(f"{path}:{i}: expected an object with a string \"text\" field")
+        if obj["text"].strip():
+            docs.append(obj["text"])
     return docs
 
 

@@ -90,6 +90,8 @@ def run(out=sys.stdout, model: str | None = None) -> int:
         print(f"  {k:<22} {v}", file=out)
 
     print("voodoo doctor", file=out)
+    from pathlib import Path as _P
+    line("voodoo", f"{_P(__file__).resolve().parent} (the source this command runs)")
     line("python", f"{platform.python_version()} ({sys.executable})")
     line("platform", f"{platform.platform()}, {os.cpu_count()} cores")
     try:

@@ -475,6 +475,10 @@ def train_gates(student: nn.Module, teacher, train_blocks: torch.Tensor, cfg: Tr
         if progress and rank == 0 and step < cfg.max_steps:
             print(f"[voodoo] resuming from {journal}: step {step} of {cfg.max_steps} done",
                   file=sys.stderr, flush=True)
+        elif progress and rank == 0:
+            print(f"[voodoo] gate training already finished ({journal}: step {step} of "
+                  f"{cfg.max_steps}); its gates are reused (a fresh --output_dir trains anew)",
+                  file=sys.stderr, flush=True)
     else:
         start_gates(mws, cfg, budget, init_logits, student=student, teacher=teacher,
                     blocks=train_blocks)
