@@ -286,12 +286,21 @@ def _check_inputs_early(a) -> None:
         raise UsageError(f"--ctx {ctx} --chunks {chunks} scores {chunks * (ctx - 1 - ctx // 2)}"
                          " tokens; llama-perplexity prints no KLD below 100: raise --chunks or "
                          "--ctx")
-    t = str(getattr(a, "match_size", None) or "").strip()
-    if t and not t.replace("_", "").isdigit():
-        from .quants import FTYPE_NOMINAL_BPW
-        if t.upper() not in FTYPE_NOMINAL_BPW:
-            raise UsageError(f"--match_size {t!r}: give a number of bytes or a llama.cpp "
-                             f"file type ({', '.join(sorted(FTYPE_NOMINAL_BPW))})")
+    if getattr(a, "match_size", None):
+        _match_size_target(a.match_size)
+
+
+def _match_size_target(value) -> int | str:
+    """``--match_size``: a number of bytes (int; ``_`` separators allowed) or a llama.cpp file
+    type (its upper-case name). Raises UsageError for anything else."""
+    t = str(value).strip()
+    if t.replace("_", "").isdigit():
+        return int(t.replace("_", ""))
+    from .quants import FTYPE_NOMINAL_BPW
+    if t.upper() not in FTYPE_NOMINAL_BPW:
+        raise UsageError(f"--match_size {t!r}: give a number of bytes or a llama.cpp "
+                         f"file type ({', '.join(sorted(FTYPE_NOMINAL_BPW))})")
+    return t.upper()
 
 
 def _check_ray_flags(a) -> None:
@@ -1011,23 +1020,13 @@ class Run:
             return self._match_budget
         from .pipeline import file_overhead_bytes
         t = str(a.match_size).strip()
-        if not t.replace("_", "").isdigit():
-            from .quants import FTYPE_NOMINAL_BPW
-            if t.upper() not in FTYPE_NOMINAL_BPW:
-                raise UsageError(f"--match_size {t!r}: give a number of bytes or a llama.cpp "
-                                 f"file type ({', '.join(sorted(FTYPE_NOMINAL_BPW))})")
+        target = _match_size_target(t)
+        if isinstance(target, str):
             if not hasattr(self, "imatrix_path"):
                 return -1  # a stock type needs the imatrix first; checked again in train()
-        if t.replace("_", "").isdigit():
-            target = int(t.replace("_", ""))
-        else:
-            from .quants import FTYPE_NOMINAL_BPW
-            if t.upper() not in FTYPE_NOMINAL_BPW:
-                raise ValueError(f"--match_size {t!r}: give a number of bytes or a llama.cpp "
-                                 f"file type ({', '.join(sorted(FTYPE_NOMINAL_BPW))})")
             from .runner import stock_file
             with self.timer("stock llama-quantize"):
-                f = stock_file(self.ctx.prepared.base_gguf, t.upper(), self.imatrix_path,
+                f = stock_file(self.ctx.prepared.base_gguf, target, self.imatrix_path,
                                self.out / "stock")
             target = f.stat().st_size
         self.target_file_bytes = target
