@@ -234,3 +234,30 @@ def test_lazy_tp_student_matches_eager(tiny_setup):
         if lazy:
             assert all(mw.candidates.numel() == 0 for mw in mixed.values())
     torch.testing.assert_close(out[True], out[False], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("lazy", [False, True])
+def test_compiled_student_compiles_once(tiny_setup, lazy):
+    """``torch.compile`` of the student (what ``voodoo train`` does on CUDA) traces the model
+    once: the gates' mixing runs outside the graph, so steps with new gate logits neither
+    recompile nor change the logits (dynamo's ``eager`` backend, on the CPU). Before, the
+    eager student's every parameter was a graph of its own and the first step hit dynamo's
+    recompile limit (120 s on an H200)."""
+    import torch._dynamo
+    from voodoo.train import _logits
+    model, mixed = _student(tiny_setup, lazy)
+    ids = tiny_setup[5][:2]
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="eager")
+    for step in range(3):
+        # the lazy student's per-module mixing breaks the graph at each module, so its first
+        # step enters transformers' shared wrappers once per module class (a few compiles,
+        # not one per parameter); after it nothing may compile again
+        with torch._dynamo.config.patch(error_on_recompile=not lazy or step > 0):
+            _random_logits(mixed, step)
+            out = _logits(compiled, ids)
+            ref = _logits(model, ids)
+            torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
+            out.sum().backward()
+    assert all(mw.logits.grad is not None and torch.isfinite(mw.logits.grad).all()
+               for mw in mixed.values())

@@ -674,8 +674,14 @@ class ParamGates(nn.Module):
             for mod, attr in owners:
                 setattr(mod, attr, w)
 
+    @torch._dynamo.disable
     def assemble(self) -> None:
-        """Recomputes every gated HF parameter from the gates and sets it on its modules."""
+        """Recomputes every gated HF parameter from the gates and sets it on its modules.
+
+        Runs outside ``torch.compile``'s graphs (the mixing kernels are hand-written or lazy
+        ones already): traced, every parameter's mixing was a graph of its own whose guards
+        (the parameter's name, the step's cache) differed, so a compiled student hit dynamo's
+        recompile limit after a few parameters and spent minutes compiling its first step."""
         cache: dict[str, torch.Tensor] = {}
         for pname, shape, t, dtype, owners, links, full, simple in self._plan:
             w = self._param(pname, shape, t, dtype, links, full, simple, cache)
