@@ -14,9 +14,22 @@ Three commands:
   ratio), and the time of ``mix`` / ``dots`` against the eager path's dense arithmetic
   (``voodoo.kernels``), plus each type's dequantization throughput. Prints one JSON line.
 
+* ``check-triton IN.npz [--device cuda]``: the same entries decoded by the hand-written Triton
+  kernels (:mod:`voodoo.triton_lazy`, the types it supports) against libggml's bits, then a
+  K = 6 mix of real requantized SmolLM2 bytes on the device (float32 and bf16 output) against
+  the CPU eager loop bit for bit, and dots against it within float32 rounding.
+* ``bench --kernels triton,inductor [--out X.json]``: only the kernel comparison: ``mix`` (bf16
+  out) and ``dots`` (bf16 g) of :class:`~voodoo.lazy.QuantizedCandidates` with each kernel
+  (``VOODOO_LAZY_KERNEL``), at 4096x4096 and a 3-D MoE-like shape, K = 6, against the dense bf16
+  path (``voodoo.kernels``) measured in the same run; ratios printed, one JSON written.
+  ``--triton_configs 8x4,16x8`` also times the Triton kernels at other rows-per-program x
+  num_warps (``VOODOO_TRITON_ROWS`` / ``VOODOO_TRITON_WARPS``).
+
     python benchmarks/lazy_candidates.py reference /tmp/dq.npz
     python benchmarks/lazy_candidates.py check /tmp/dq.npz --device cuda
+    python benchmarks/lazy_candidates.py check-triton /tmp/dq.npz --device cuda
     python benchmarks/lazy_candidates.py bench --device cuda
+    python benchmarks/lazy_candidates.py bench --kernels triton,inductor --out X.json
 """
 
 from __future__ import annotations
@@ -147,6 +160,167 @@ def check(path: str, device: str, compiled: bool = False) -> int:
               f"nan-payloads-equal={'yes' if strict_nan[name] else 'no'}  {' '.join(cases)}")
     print(f"{device_tag}: {len(per_type) - bad}/{len(per_type)} types bit-identical to libggml")
     return 1 if bad else 0
+
+
+def check_triton(path: str, device: str) -> int:
+    """The Triton kernels' decode (a K = 1 mix with p = 1) of every reference entry of a type
+    they support, against libggml's bits; then a K = 6 mix / dots on ``device`` against the CPU
+    eager loop. Exit status 1 on any mismatch."""
+    import os
+    from voodoo import triton_lazy as tlz
+    from voodoo.lazy import QuantizedCandidates, _triton_kernels
+    if not tlz.available():
+        print(f"triton does not import: {tlz._IMPORT_ERROR}")
+        return 1
+    z = np.load(path)
+    keys = sorted({k.rsplit("|", 1)[0] for k in z.files})
+    per_type: dict[str, list[str]] = {}
+    for key in keys:
+        name, case = key.split("|")
+        if name not in tlz.TYPE_CODES:
+            continue
+        data, ref, n = z[f"{key}|bytes"], z[f"{key}|ref"], int(z[f"{key}|n"])
+        got = tlz.dequantize(torch.from_numpy(data).to(device), name, n).cpu().numpy()
+        nan = np.isnan(ref)
+        ok = (got.shape == ref.shape and np.array_equal(nan, np.isnan(got))
+              and np.array_equal(got[~nan].view(np.uint32), ref[~nan].view(np.uint32)))
+        if not ok and got.shape == ref.shape:
+            bad = np.flatnonzero((got.view(np.uint32) != ref.view(np.uint32)) & ~nan)
+            case += f"({bad.size} differ, first {bad[:3].tolist()}: " \
+                    f"{got.ravel()[bad[:3]].tolist()} vs {ref.ravel()[bad[:3]].tolist()})"
+        per_type.setdefault(name, []).append(f"{case}:{'ok' if ok else 'DIFF'}")
+    bad = 0
+    for name, cases in per_type.items():
+        exact = all(c.endswith(":ok") for c in cases)
+        bad += not exact
+        print(f"{device}+triton {name:8s} bit-identical={'yes' if exact else 'NO '}  "
+              f"{' '.join(cases)}")
+    print(f"{device}+triton: {len(per_type) - bad}/{len(per_type)} types bit-identical to libggml")
+    # a K = 6 mix of real bytes on the device against the CPU eager loop
+    menu = [t for t in MENU6 if f"{t}|smol_requantized|bytes" in z.files]
+    blocks = [torch.from_numpy(z[f"{t}|smol_requantized|bytes"]).reshape(32, -1) for t in menu]
+    shape = (32, 1536)
+    eager = QuantizedCandidates(blocks, menu, shape, compile=False)
+    os.environ["VOODOO_LAZY_KERNEL"] = "triton"
+    fast = QuantizedCandidates([b.to(device) for b in blocks], menu, shape, compile=True)
+    on_triton = _triton_kernels(fast, torch.float32) is not None
+    print(f"{device}: QuantizedCandidates takes the Triton path: {on_triton}")
+    bad += not on_triton
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(3):
+        p = torch.softmax(torch.randn(len(menu), generator=gen) * 2, 0)
+        if trial == 2:
+            p = torch.nn.functional.one_hot(torch.tensor(1), len(menu)).float()
+        for dt in (torch.float32, torch.bfloat16):
+            ref = eager.mix(p, dt)
+            got = fast.mix(p.to(device), dt).cpu()
+            iv = torch.int32 if dt == torch.float32 else torch.int16
+            ok = torch.equal(ref.view(iv), got.view(iv))
+            bad += not ok
+            print(f"{device}+triton mix K={len(menu)} p#{trial} -> {dt}: "
+                  f"{'bit-identical to the CPU eager loop' if ok else 'DIFF'}")
+    g = torch.randn(shape, generator=gen)
+    for gd in (torch.float32, torch.bfloat16):
+        ref = eager.dots(g.to(gd))
+        got = fast.dots(g.to(gd).to(device)).cpu()
+        dense = torch.stack([eager.dense(k).double() for k in range(len(menu))])
+        scale = (dense * g.to(gd).double()).abs().flatten(1).sum(1)
+        rel = float(((got.double() - ref.double()).abs() / scale).max())
+        ok = rel <= 1e-5
+        bad += not ok
+        print(f"{device}+triton dots g={gd}: |diff| / sum|w g| = {rel:.1e} {'ok' if ok else 'BAD'}")
+    print("check-triton:", "all ok" if not bad else f"{bad} failures")
+    return 1 if bad else 0
+
+
+def bench_kernels(device: str, kernels: list[str], shapes: list[tuple[int, ...]], k: int,
+                  triton_configs: list[str]) -> dict:
+    """``mix`` (bf16 out) / ``dots`` (bf16 g) ms of each lazy kernel choice against the dense
+    bf16 path, for every shape, in one run; plus exactness of triton against inductor."""
+    import os
+    from voodoo import kernels as dense_kernels
+    from voodoo.lazy import QuantizedCandidates
+    gen = torch.Generator(device=device).manual_seed(0)
+    types = MENU6[:k]
+    res: dict = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+                 "types": list(types), "torch": torch.__version__, "shapes": {}}
+    try:
+        import triton
+        res["triton"] = triton.__version__
+    except Exception as e:  # noqa: BLE001
+        res["triton"] = f"not importable: {e}"
+    n = 20 if device == "cuda" else 3
+    env0 = {v: os.environ.get(v) for v in ("VOODOO_LAZY_KERNEL", "VOODOO_TRITON_ROWS",
+                                           "VOODOO_TRITON_WARPS")}
+    try:
+        for shape in shapes:
+            rows, cols = int(np.prod(shape[:-1])), shape[-1]
+            blocks = [_random_blocks(t, rows, cols, device, gen) for t in types]
+            probs = torch.softmax(torch.randn(k, device=device, generator=gen), 0)
+            g = torch.randn(shape, device=device, generator=gen).to(torch.bfloat16)
+            r: dict = {"weights": rows * cols,
+                       "bytes_read_mix": sum(b.numel() for b in blocks),
+                       "bytes_written_mix": rows * cols * 2}
+            ref = QuantizedCandidates(blocks, types, shape, compile=False)
+            dense = torch.stack([ref.dense(i).reshape(rows, cols) for i in range(k)]) \
+                .to(torch.bfloat16)
+            g2 = g.reshape(rows, cols)
+            r["dense_bf16_mix_ms"] = _time(lambda: dense_kernels.mix(probs, dense,
+                                                                      torch.bfloat16), device, n)
+            r["dense_bf16_dots_ms"] = _time(lambda: dense_kernels.dots(dense, g2), device, n)
+            del dense
+            outs = {}
+            for kern in kernels:
+                os.environ["VOODOO_LAZY_KERNEL"] = kern
+                lz = QuantizedCandidates(blocks, types, shape, compile=True)
+                t0 = time.perf_counter()
+                lz.mix(probs, torch.bfloat16), lz.dots(g)
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                r[f"{kern}_first_call_s"] = round(time.perf_counter() - t0, 2)
+                r[f"{kern}_mix_ms"] = _time(lambda: lz.mix(probs, torch.bfloat16), device, n)
+                r[f"{kern}_dots_ms"] = _time(lambda: lz.dots(g), device, n)
+                r[f"{kern}_mix_GBps_read"] = round(r["bytes_read_mix"] / r[f"{kern}_mix_ms"]
+                                                   / 1e6, 1)
+                r[f"{kern}_mix_vs_dense_bf16"] = round(r[f"{kern}_mix_ms"]
+                                                       / r["dense_bf16_mix_ms"], 3)
+                r[f"{kern}_dots_vs_dense_bf16"] = round(r[f"{kern}_dots_ms"]
+                                                        / r["dense_bf16_dots_ms"], 3)
+                outs[kern] = (lz.mix(probs, torch.float32), lz.mix(probs, torch.bfloat16),
+                              lz.dots(g))
+                if kern == "triton":
+                    for cfg in triton_configs:
+                        rr, ww = cfg.split("x")
+                        os.environ["VOODOO_TRITON_ROWS"], os.environ["VOODOO_TRITON_WARPS"] = rr, ww
+                        lz.mix(probs, torch.bfloat16), lz.dots(g)
+                        r[f"triton_{cfg}_mix_ms"] = _time(lambda: lz.mix(probs, torch.bfloat16),
+                                                          device, n)
+                        r[f"triton_{cfg}_dots_ms"] = _time(lambda: lz.dots(g), device, n)
+                    for v in ("VOODOO_TRITON_ROWS", "VOODOO_TRITON_WARPS"):
+                        os.environ.pop(v, None)
+            if "triton" in outs and "inductor" in outs:
+                a, b = outs["triton"], outs["inductor"]
+                r["triton_mix_f32_equals_inductor"] = torch.equal(a[0].view(torch.int32),
+                                                                  b[0].view(torch.int32))
+                r["triton_mix_bf16_equals_inductor"] = torch.equal(a[1].view(torch.int16),
+                                                                   b[1].view(torch.int16))
+                r["triton_dots_rel_diff_vs_inductor"] = float((a[2] - b[2]).abs().max()
+                                                              / b[2].abs().max())
+                r["mix_ratio_triton_over_inductor"] = round(r["triton_mix_ms"]
+                                                            / r["inductor_mix_ms"], 3)
+                r["dots_ratio_triton_over_inductor"] = round(r["triton_dots_ms"]
+                                                             / r["inductor_dots_ms"], 3)
+            del outs, blocks
+            key = "x".join(str(s) for s in shape)
+            res["shapes"][key] = r
+            print(f"{key}: " + ", ".join(f"{kk} {v}" for kk, v in r.items()), flush=True)
+    finally:
+        for v, x in env0.items():
+            if x is None:
+                os.environ.pop(v, None)
+            else:
+                os.environ[v] = x
+    return res
 
 
 # ---------------------------------------------------------------------------- bench
@@ -316,14 +490,30 @@ def main(argv=None) -> int:
     b.add_argument("--cols", type=int, default=4096)
     b.add_argument("--k", type=int, default=6)
     b.add_argument("--tile_rows", type=int, nargs="*", default=[1024, 4096])
-    b.add_argument("--json", help="also write the result here")
+    b.add_argument("--json", "--out", dest="json", help="also write the result here")
+    b.add_argument("--kernels", help="only compare lazy kernels, e.g. triton,inductor "
+                   "(VOODOO_LAZY_KERNEL values), at 4096x4096 and --moe_shape")
+    b.add_argument("--moe_shape", default="128x768x2048",
+                   help="the 3-D (n_expert x rows x cols) shape of the --kernels comparison")
+    b.add_argument("--triton_configs", default="",
+                   help="with --kernels: also time Triton at these ROWSxWARPS, e.g. 4x4,16x8")
+    t = sub.add_parser("check-triton")
+    t.add_argument("path")
+    t.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     a = ap.parse_args(argv)
+    if a.cmd == "check-triton":
+        return check_triton(a.path, a.device)
     if a.cmd == "reference":
         make_reference(a.out)
         return 0
     if a.cmd == "check":
         return check(a.path, a.device, a.compile)
-    res = bench(a.device, a.rows, a.cols, a.k, [t * a.cols for t in a.tile_rows])
+    if a.kernels:
+        shapes = [(a.rows, a.cols), tuple(int(x) for x in a.moe_shape.split("x"))]
+        res = bench_kernels(a.device, [x.strip() for x in a.kernels.split(",") if x.strip()],
+                            shapes, a.k, [c for c in a.triton_configs.split(",") if c])
+    else:
+        res = bench(a.device, a.rows, a.cols, a.k, [t * a.cols for t in a.tile_rows])
     line = json.dumps(res)
     print(line)
     if a.json:

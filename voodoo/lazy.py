@@ -10,10 +10,13 @@ weight per candidate) and computes what the gates need from them:
 
 each one row tile at a time, so at most one tile of K dequantized candidates exists at once.
 ``deq`` is :func:`voodoo.dequant.dequantize`, bit-identical to libggml's ``to_float``: the
-weights mixed here are exactly the weights llama.cpp will run. On CUDA each tile's
+weights mixed here are exactly the weights llama.cpp will run. On CUDA, ``mix`` and ``dots``
+run the hand-written Triton kernels of :mod:`voodoo.triton_lazy` (one launch over the whole
+tensor and all K candidates) when they handle the menu (:func:`voodoo.triton_lazy.supports`)
+and Triton imports; otherwise, or with ``VOODOO_LAZY_KERNEL=inductor``, each tile's
 dequantize-and-mix (dequantize-and-dot) is one ``torch.compile``'d kernel under Inductor options
 that keep those bits (no FMA contraction, no flush to zero; checked on an H200 for every type,
-``benchmarks/results/lazy_candidates/``); on the CPU the same torch ops run eagerly.
+``benchmarks/results/lazy_candidates/``). On the CPU the same torch ops run eagerly.
 :meth:`QuantizedCandidates.narrow` cuts a tensor-parallel rank's shard (its bytes only).
 
 :class:`LazyMix` is the autograd function over ``mix``/``dots`` (probabilities in, gated weight
@@ -23,6 +26,7 @@ out); the gates' own parametrisation (softmax, temperature, ...) stays outside.
 from __future__ import annotations
 
 import math
+import os
 from typing import Sequence
 
 import torch
@@ -32,7 +36,7 @@ from .quants import qtype
 
 __all__ = ["QuantizedCandidates", "LazyMix", "lazy_mix", "QuantizedParams", "predict_memory",
            "format_memory", "plan_memory", "MemoryPlanError", "DEFAULT_TILE_ELEMENTS",
-           "DEFAULT_COMPILED_TILE_ELEMENTS"]
+           "DEFAULT_COMPILED_TILE_ELEMENTS", "lazy_kernel_choice", "LAZY_KERNEL_ENV"]
 
 #: Weights per tile (rows x n_per_row, rounded to whole rows) on the eager path: ~4 Mi weights
 #: keeps the float32 temporaries of one candidate's dequantization at a few tens of MiB.
@@ -57,8 +61,10 @@ class QuantizedCandidates(torch.nn.Module):
         tile_elements: weights per tile (rounded down to whole rows, at least one row);
             default :data:`DEFAULT_TILE_ELEMENTS` eager, :data:`DEFAULT_COMPILED_TILE_ELEMENTS`
             compiled.
-        compile: fuse each tile's dequantize-and-mix (and dequantize-and-dot) into one
-            kernel with ``torch.compile`` (Inductor options of
+        compile: run ``mix``/``dots`` as fused kernels: on CUDA the Triton kernels of
+            :mod:`voodoo.triton_lazy` where they handle the menu (``VOODOO_LAZY_KERNEL``,
+            :func:`lazy_kernel_choice`), else each tile's dequantize-and-mix (and
+            dequantize-and-dot) as one ``torch.compile``'d kernel (Inductor options of
             :func:`voodoo.dequant.exact_compile_options`: no FMA contraction, no flush to
             zero, so the dequantized weights stay libggml's bits). ``None`` (default): on CUDA
             only; the CPU runs the eager torch ops.
@@ -176,7 +182,8 @@ class QuantizedCandidates(torch.nn.Module):
         return w.reshape(self.shape)
 
     def mix(self, probs: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """``W = sum_k probs[k] * deq(Q_k)``, computed tile by tile.
+        """``W = sum_k probs[k] * deq(Q_k)``, computed tile by tile (on the Triton path, one
+        launch over the whole tensor; the same float32 arithmetic, bit for bit).
 
         Args:
             probs: ``(K,)`` float32 (or float64) mixing weights, on the buffers' device.
@@ -186,11 +193,19 @@ class QuantizedCandidates(torch.nn.Module):
             ``shape`` tensor of ``dtype``. Accumulates in float32 (float64 if ``probs`` is
             float64), in candidate order; equal to the dense ``probs @ cand.reshape(K, -1)``
             within float32 rounding, and exactly for one-hot ``probs``.
+
+        Raises:
+            ValueError: ``probs`` is not ``(K,)``, or ``VOODOO_LAZY_KERNEL`` is neither
+                ``triton`` nor ``inductor`` (compiled path only).
         """
         probs = self._check_probs(probs)
         acc_dtype = torch.float64 if probs.dtype == torch.float64 else torch.float32
         p = probs.to(acc_dtype)
         if self._compiled():
+            tk = _triton_kernels(self, acc_dtype)
+            if tk is not None:  # one hand-written Triton launch over the whole tensor
+                return tk.mix(p, [self.blocks(k) for k in range(self.k)], self.types,
+                              self.n_per_row, dtype).reshape(self.shape)
             warm_tables(self.types, self.device)
             fn = _compiled_fn("mix")
             tiles = list(self._tiles())
@@ -219,7 +234,13 @@ class QuantizedCandidates(torch.nn.Module):
 
         Returns:
             ``(K,)`` float32 (float64 if ``g`` is float64); each tile's partial sums are
-            accumulated in float32 (float64).
+            accumulated in float32 (float64). On the Triton path the partial sums are per
+            program (a few thousand weights each) and summed by torch: equal to the tile
+            order's result within float32 rounding.
+
+        Raises:
+            ValueError: ``g`` does not have ``shape``, or a bad ``VOODOO_LAZY_KERNEL``
+                (compiled path only).
         """
         if tuple(g.shape) != self.shape:
             raise ValueError(f"g has shape {tuple(g.shape)}, the candidates {self.shape}")
@@ -227,6 +248,10 @@ class QuantizedCandidates(torch.nn.Module):
         g2 = g.reshape(self.n_rows, self.n_per_row)
         out = torch.zeros(self.k, dtype=acc_dtype, device=self.device)
         if self._compiled():
+            tk = _triton_kernels(self, acc_dtype)
+            if tk is not None:
+                return tk.dots(g2, [self.blocks(k) for k in range(self.k)], self.types,
+                               self.n_per_row)
             warm_tables(self.types, self.device)
             fn = _compiled_fn("dots")
             with torch._dynamo.config.patch(**compile_recompile_limit()):
@@ -311,6 +336,36 @@ def _dense_full(blocks, qtype_name, n_per_row, dtype):
 
 
 _COMPILED: dict[str, object] = {}
+
+#: ``VOODOO_LAZY_KERNEL``: which kernels the compiled (CUDA) path of ``mix``/``dots`` runs:
+#: ``triton`` (default; the hand-written kernels of :mod:`voodoo.triton_lazy` where they handle
+#: the menu, else Inductor) or ``inductor`` (always the ``torch.compile``'d tiles).
+LAZY_KERNEL_ENV = "VOODOO_LAZY_KERNEL"
+
+
+def lazy_kernel_choice() -> str:
+    """``VOODOO_LAZY_KERNEL`` (read at each call, so a benchmark can switch): ``"triton"`` or
+    ``"inductor"``. Raises ValueError for anything else."""
+    v = os.environ.get(LAZY_KERNEL_ENV, "triton").strip().lower() or "triton"
+    if v not in ("triton", "inductor"):
+        raise ValueError(f"{LAZY_KERNEL_ENV}={v!r}: expected 'triton' or 'inductor'")
+    return v
+
+
+def _triton_kernels(cands: "QuantizedCandidates", acc_dtype: torch.dtype):
+    """:mod:`voodoo.triton_lazy` when it should run this call, else None (-> Inductor): CUDA
+    buffers (or CPU ones under ``TRITON_INTERPRET=1``, for tests), float32 accumulation, a
+    menu and row length the kernels handle, Triton importable, not switched off."""
+    if acc_dtype != torch.float32 or lazy_kernel_choice() != "triton":
+        return None
+    dev = cands.device.type
+    if not (dev == "cuda" or (dev == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")):
+        return None
+    try:
+        from . import triton_lazy
+    except Exception:  # noqa: BLE001 - any import failure: fall back
+        return None
+    return triton_lazy if triton_lazy.supports(cands.types, cands.n_per_row) else None
 
 
 def _compiled_fn(kind: str):
