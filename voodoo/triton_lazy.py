@@ -15,11 +15,13 @@ and every kernel launched with ``enable_fp_fusion=False`` so that no ``a * b + c
 FMA. The lookup tables (``kvalues_iq4nl``, ``iq3s_grid``) are taken from
 :mod:`voodoo.dequant`, which takes them from gguf-py.
 
-A program decodes a tile of ``BLOCK_R`` rows x ``C`` columns of every candidate, aligned to
+A program decodes a tile of ``R`` rows x ``C`` columns of every candidate, aligned to
 blocks: ``C = 256`` when the row length is a multiple of 256 (always so when the menu holds a
-256-block type), else the largest of 128/64/32 that divides it (32-block types only). Each type's
-decoder loads the tile's quant bytes once (one byte per 2 or 4 weights for the 4/2-bit types),
-its scales once per sub-block, and broadcasts the scales over their weights.
+256-block type), else the largest of 128/64/32 that divides it (32-block types only). Every
+type's decoder produces the tile in one common shape, ``(R, C // 16, 16)`` (16 consecutive
+weights along the last axis), so the K candidates share one register layout and no data moves
+between threads; the bytes a thread needs along those 16 weights come in one vector load, the
+scales once per group of 16 weights, broadcast along the last axis.
 
 Types (:data:`TYPE_CODES`): Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL,
 IQ4_XS, IQ3_S, F16, BF16, F32. :func:`supports` says whether a menu can use these kernels; the
@@ -58,6 +60,9 @@ _BLOCK256 = {"Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "IQ3_S"}
 _FLOAT = {"F16": torch.float16, "BF16": torch.int16, "F32": torch.float32}
 #: Most candidates one launch handles.
 MAX_K = 8
+#: Triton's CPU interpreter (``TRITON_INTERPRET=1``, read at import as triton does): its
+#: float32 -> bfloat16 cast truncates, so the mix rounds to bf16 by hand there.
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def available() -> bool:
@@ -126,71 +131,47 @@ if _HAVE_TRITON:
     def _byte(ptr, off, mask):
         return tl.load(ptr + off, mask=mask, other=0).to(tl.int32)
 
-    # Each decoder: ptr (uint8 bytes, or the float view for F16/BF16/F32), rbase (BLOCK_R,)
-    # int64 byte offset of the tile's first block in each row, rmask (BLOCK_R,) -> the tile
-    # (BLOCK_R, C) float32.
+    # Every decoder returns its tile in one common shape, (R, S, 16) float32 with S = C // 16:
+    # row r, weight s * 16 + l of the tile. All candidates thus share one register layout (no
+    # shuffles between them), scales are (R, S, 1) tensors broadcast along the last axis, and
+    # the 16 bytes (or 8) a thread needs along l come in one vector load.
+    # Arguments: ptr (uint8 bytes, or the F16/F32 view, BF16 as int16), bo (R, S, 1) int64
+    # byte offset of each weight group's block, m3 (R, 1, 1) row mask, s (1, S, 1) and
+    # l (1, 1, 16) the group and weight indices.
 
     @triton.jit
-    def _dec_32(T: tl.constexpr, ptr, rbase, rmask, kv_ptr, R: tl.constexpr, C: tl.constexpr):
-        """The 32-weight block types: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL."""
-        NB: tl.constexpr = C // 32
-        if T == 1:
-            TS: tl.constexpr = 34
-        elif T == 2:
-            TS: tl.constexpr = 18
-        elif T == 3:
-            TS: tl.constexpr = 20
-        elif T == 4:
-            TS: tl.constexpr = 22
-        elif T == 5:
-            TS: tl.constexpr = 24
-        else:
-            TS: tl.constexpr = 18
-        ib = tl.arange(0, NB).to(tl.int64)
-        if T == 1:
-            # x[i].qs[j] * d -- shape (R, NB, 32)
-            bo = rbase[:, None, None] + (ib * TS)[None, :, None]        # (R, NB, 1)
-            m3 = rmask[:, None, None]
-            d = _f16(ptr, bo, m3)
-            q = tl.load(ptr + bo + 2 + tl.arange(0, 32)[None, None, :], mask=m3, other=0)
-            q = q.to(tl.int8, bitcast=True).to(tl.float32)
-            w = q * d
-        else:
-            # nibbles: element h*16 + l <- qs[l] >> 4h; shape (R, NB, 2, 16)
-            bo = rbase[:, None, None, None] + (ib * TS)[None, :, None, None]   # (R, NB, 1, 1)
-            m4 = rmask[:, None, None, None]
-            l16 = tl.arange(0, 16)[None, None, None, :]
-            sh = (tl.arange(0, 2) * 4)[None, None, :, None]
-            d = _f16(ptr, bo, m4)
-            if T == 2:      # Q4_0: (q - 8) * d
-                qs = _byte(ptr, bo + 2 + l16, m4)
-                q = ((qs >> sh) & 0xF) - 8
-                w = q.to(tl.float32) * d
-            elif T == 3:    # Q4_1: q * d + m (product rounded, then the sum)
-                m = _f16(ptr, bo + 2, m4)
-                qs = _byte(ptr, bo + 4 + l16, m4)
-                q = ((qs >> sh) & 0xF).to(tl.float32)
-                w = m + q * d
-            elif T == 4:    # Q5_0: ((ql | qh bit << 4) - 16) * d
-                qh = (_byte(ptr, bo + 2, m4) | (_byte(ptr, bo + 3, m4) << 8)
-                      | (_byte(ptr, bo + 4, m4) << 16) | (_byte(ptr, bo + 5, m4) << 24))
-                qs = _byte(ptr, bo + 6 + l16, m4)
-                j = (tl.arange(0, 2) * 16)[None, None, :, None] + l16          # element index
-                q = (((qs >> sh) & 0xF) | (((qh >> j) & 1) << 4)) - 16
-                w = q.to(tl.float32) * d
-            elif T == 5:    # Q5_1: q * d + m
-                m = _f16(ptr, bo + 2, m4)
-                qh = (_byte(ptr, bo + 4, m4) | (_byte(ptr, bo + 5, m4) << 8)
-                      | (_byte(ptr, bo + 6, m4) << 16) | (_byte(ptr, bo + 7, m4) << 24))
-                qs = _byte(ptr, bo + 8 + l16, m4)
-                j = (tl.arange(0, 2) * 16)[None, None, :, None] + l16
-                q = (((qs >> sh) & 0xF) | (((qh >> j) & 1) << 4)).to(tl.float32)
-                w = m + q * d
-            else:           # IQ4_NL: d * kvalues_iq4nl[q]
-                qs = _byte(ptr, bo + 2 + l16, m4)
-                kv = tl.load(kv_ptr + ((qs >> sh) & 0xF))
-                w = d * kv
-        return tl.reshape(w, [R, C])
+    def _dec_32(T: tl.constexpr, ptr, bo, m3, s, l, kv_ptr):
+        """The 32-weight block types: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL. Weight h * 16 + l
+        of block s >> 1, h = s & 1."""
+        h = s & 1
+        d = _f16(ptr, bo, m3)
+        if T == 1:      # Q8_0: x[i].qs[j] * d
+            q = tl.load(ptr + bo + 2 + h * 16 + l, mask=m3, other=0)
+            w = q.to(tl.int8, bitcast=True).to(tl.float32) * d
+        elif T == 2:    # Q4_0: (q - 8) * d, q = qs[l] >> 4h
+            qs = _byte(ptr, bo + 2 + l, m3)
+            w = (((qs >> (4 * h)) & 0xF) - 8).to(tl.float32) * d
+        elif T == 3:    # Q4_1: q * d + m (product rounded, then the sum)
+            m = _f16(ptr, bo + 2, m3)
+            qs = _byte(ptr, bo + 4 + l, m3)
+            w = m + ((qs >> (4 * h)) & 0xF).to(tl.float32) * d
+        elif T == 4:    # Q5_0: ((ql | bit j of qh << 4) - 16) * d, j = h * 16 + l
+            qh = (_byte(ptr, bo + 2, m3) | (_byte(ptr, bo + 3, m3) << 8)
+                  | (_byte(ptr, bo + 4, m3) << 16) | (_byte(ptr, bo + 5, m3) << 24))
+            qs = _byte(ptr, bo + 6 + l, m3)
+            q = (((qs >> (4 * h)) & 0xF) | (((qh >> (h * 16 + l)) & 1) << 4)) - 16
+            w = q.to(tl.float32) * d
+        elif T == 5:    # Q5_1: q * d + m
+            m = _f16(ptr, bo + 2, m3)
+            qh = (_byte(ptr, bo + 4, m3) | (_byte(ptr, bo + 5, m3) << 8)
+                  | (_byte(ptr, bo + 6, m3) << 16) | (_byte(ptr, bo + 7, m3) << 24))
+            qs = _byte(ptr, bo + 8 + l, m3)
+            q = ((qs >> (4 * h)) & 0xF) | (((qh >> (h * 16 + l)) & 1) << 4)
+            w = m + q.to(tl.float32) * d
+        else:           # IQ4_NL: d * kvalues_iq4nl[q]
+            qs = _byte(ptr, bo + 2 + l, m3)
+            w = d * tl.load(kv_ptr + ((qs >> (4 * h)) & 0xF))
+        return w
 
     @triton.jit
     def _scale_min_k4(ptr, so, j, mask):
@@ -204,122 +185,104 @@ if _HAVE_TRITON:
         return sc, m
 
     @triton.jit
-    def _dec_256(T: tl.constexpr, ptr, rbase, rmask, kv_ptr, g3_ptr, R: tl.constexpr):
-        """The 256-weight block types (one block per row of the tile)."""
+    def _dec_256(T: tl.constexpr, ptr, bo, m3, s, l, kv_ptr, g3_ptr):
+        """The 256-weight block types, one block per row of the tile (S = 16): weight
+        e = s * 16 + l of the block; ``bo`` (R, 1, 1)."""
         if T == 9 or T == 10:
-            # Q4_K / Q5_K: shape (R, 4, 2, 32): chunk c of 64, half h, l; sub-block j = 2c + h
-            bo = rbase[:, None, None, None]
-            m4 = rmask[:, None, None, None]
-            c = tl.arange(0, 4)[None, :, None, None]
-            h = tl.arange(0, 2)[None, None, :, None]
-            l32 = tl.arange(0, 32)[None, None, None, :]
-            d = _f16(ptr, bo, m4)
-            dmin = _f16(ptr, bo + 2, m4)
-            j = 2 * c + h                                                   # (1, 4, 2, 1)
-            sc, mn = _scale_min_k4(ptr, bo + 4, j, m4)
+            # Q4_K / Q5_K: sub-block j = e >> 5 = s >> 1; chunk of 64 c = s >> 2 (32 bytes:
+            # low nibbles for j even, high for j odd); l32 = (s & 1) * 16 + l
+            d = _f16(ptr, bo, m3)
+            dmin = _f16(ptr, bo + 2, m3)
+            j = s >> 1
+            sc, mn = _scale_min_k4(ptr, bo + 4, j, m3)
             d1 = d * sc.to(tl.float32)                                      # d1 = d * sc
             m1 = dmin * mn.to(tl.float32)                                   # m1 = min * m
+            l32 = (s & 1) * 16 + l
             if T == 9:
-                qs = _byte(ptr, bo + 16 + c * 32 + l32, m4)                 # (R, 4, 1, 32)
-                q = (qs >> (4 * h)) & 0xF
+                qs = _byte(ptr, bo + 16 + (s >> 2) * 32 + l32, m3)
+                q = (qs >> ((j & 1) * 4)) & 0xF
             else:
-                ql = _byte(ptr, bo + 48 + c * 32 + l32, m4)
-                qh = _byte(ptr, bo + 16 + l32, m4)                          # (R, 1, 1, 32)
-                q = ((ql >> (4 * h)) & 0xF) | (((qh >> j) & 1) << 4)
+                ql = _byte(ptr, bo + 48 + (s >> 2) * 32 + l32, m3)
+                qh = _byte(ptr, bo + 16 + l32, m3)
+                q = ((ql >> ((j & 1) * 4)) & 0xF) | (((qh >> j) & 1) << 4)
             w = d1 * q.to(tl.float32) - m1                                  # d1 * q - m1
         elif T == 11:
-            # Q6_K: shape (R, 2, 4, 2, 16): half n of 128, quarter i, l = lh*16 + ll
-            bo = rbase[:, None, None, None, None]
-            m5 = rmask[:, None, None, None, None]
-            n = tl.arange(0, 2)[None, :, None, None, None]
-            i = tl.arange(0, 4)[None, None, :, None, None]
-            lh = tl.arange(0, 2)[None, None, None, :, None]
-            ll = tl.arange(0, 16)[None, None, None, None, :]
-            d = _f16(ptr, bo + 208, m5)
-            sc = tl.load(ptr + bo + 192 + n * 8 + i * 2 + lh, mask=m5, other=0)
+            # Q6_K: e = n * 128 + i * 32 + l32, n = s >> 3, i = (s >> 1) & 3; scale e >> 4 = s
+            d = _f16(ptr, bo + 208, m3)
+            sc = tl.load(ptr + bo + 192 + s, mask=m3, other=0)
             ds = d * sc.to(tl.int8, bitcast=True).to(tl.float32)            # d * sc[is]
-            l = lh * 16 + ll
-            ql = _byte(ptr, bo + n * 64 + (i & 1) * 32 + l, m5)
-            qh = _byte(ptr, bo + 128 + n * 32 + l, m5)
+            n = s >> 3
+            i = (s >> 1) & 3
+            l32 = (s & 1) * 16 + l
+            ql = _byte(ptr, bo + n * 64 + (i & 1) * 32 + l32, m3)
+            qh = _byte(ptr, bo + 128 + n * 32 + l32, m3)
             q = (((ql >> ((i >> 1) * 4)) & 0xF) | (((qh >> (2 * i)) & 3) << 4)) - 32
-            w = ds * q.to(tl.float32)
+            w = ds * q.to(tl.float32)                                       # (d * sc) * q
         elif T == 7:
-            # Q2_K: shape (R, 2, 4, 2, 16): n, shift j, l = lh*16 + ll; scale n*8 + 2j + lh
-            bo = rbase[:, None, None, None, None]
-            m5 = rmask[:, None, None, None, None]
-            n = tl.arange(0, 2)[None, :, None, None, None]
-            j = tl.arange(0, 4)[None, None, :, None, None]
-            lh = tl.arange(0, 2)[None, None, None, :, None]
-            ll = tl.arange(0, 16)[None, None, None, None, :]
-            d = _f16(ptr, bo + 80, m5)
-            dmin = _f16(ptr, bo + 82, m5)
-            sc = _byte(ptr, bo + n * 8 + j * 2 + lh, m5)
+            # Q2_K: e = n * 128 + j * 32 + l32 (2-bit field j of qs[n * 32 + l32]); scale s
+            d = _f16(ptr, bo + 80, m3)
+            dmin = _f16(ptr, bo + 82, m3)
+            sc = _byte(ptr, bo + s, m3)
             dl = d * (sc & 0xF).to(tl.float32)                              # d * (sc & 0xF)
             ml = dmin * (sc >> 4).to(tl.float32)                            # min * (sc >> 4)
-            qs = _byte(ptr, bo + 16 + n * 32 + lh * 16 + ll, m5)
-            q = ((qs >> (2 * j)) & 3).to(tl.float32)
-            w = dl * q - ml                                                 # dl * q - ml
+            j = (s >> 1) & 3
+            qs = _byte(ptr, bo + 16 + (s >> 3) * 32 + (s & 1) * 16 + l, m3)
+            w = dl * ((qs >> (2 * j)) & 3).to(tl.float32) - ml              # dl * q - ml
         elif T == 8:
-            # Q3_K: shape (R, 2, 4, 2, 16) as Q2_K; high bit n*4 + j of hmask[l]
-            bo = rbase[:, None, None, None, None]
-            m5 = rmask[:, None, None, None, None]
-            n = tl.arange(0, 2)[None, :, None, None, None]
-            j = tl.arange(0, 4)[None, None, :, None, None]
-            lh = tl.arange(0, 2)[None, None, None, :, None]
-            ll = tl.arange(0, 16)[None, None, None, None, :]
-            d_all = _f16(ptr, bo + 108, m5)
-            s_i = n * 8 + j * 2 + lh                                        # scale index 0..15
-            lo = (_byte(ptr, bo + 96 + (s_i & 7), m5) >> ((s_i >> 3) * 4)) & 0xF
-            hb = (_byte(ptr, bo + 104 + (s_i & 3), m5) >> ((s_i >> 2) * 2)) & 3
+            # Q3_K: as Q2_K; high bit n * 4 + j of hmask[l32]; 6-bit scale s
+            d_all = _f16(ptr, bo + 108, m3)
+            lo = (_byte(ptr, bo + 96 + (s & 7), m3) >> ((s >> 3) * 4)) & 0xF
+            hb = (_byte(ptr, bo + 104 + (s & 3), m3) >> ((s >> 2) * 2)) & 3
             dl = d_all * ((lo | (hb << 4)) - 32).to(tl.float32)             # d_all * (sc - 32)
-            l = lh * 16 + ll
-            qs = _byte(ptr, bo + 32 + n * 32 + l, m5)
-            hm = _byte(ptr, bo + l, m5)
+            n = s >> 3
+            j = (s >> 1) & 3
+            l32 = (s & 1) * 16 + l
+            qs = _byte(ptr, bo + 32 + n * 32 + l32, m3)
+            hm = _byte(ptr, bo + l32, m3)
             q = ((qs >> (2 * j)) & 3) - (1 - ((hm >> (n * 4 + j)) & 1)) * 4
             w = dl * q.to(tl.float32)                                       # dl * q
         elif T == 12:
-            # IQ4_XS: shape (R, 8, 2, 16): sub-block ib of 32, nibble h, l
-            bo = rbase[:, None, None, None]
-            m4 = rmask[:, None, None, None]
-            ib = tl.arange(0, 8)[None, :, None, None]
-            h = tl.arange(0, 2)[None, None, :, None]
-            l16 = tl.arange(0, 16)[None, None, None, :]
-            d = _f16(ptr, bo, m4)
-            sh = _byte(ptr, bo + 2, m4) | (_byte(ptr, bo + 3, m4) << 8)
-            lo = (_byte(ptr, bo + 4 + (ib >> 1), m4) >> ((ib & 1) * 4)) & 0xF
+            # IQ4_XS: sub-block ib = s >> 1 of 32; nibble h = s & 1 of qs[ib * 16 + l]
+            d = _f16(ptr, bo, m3)
+            ib = s >> 1
+            sh = _byte(ptr, bo + 2, m3) | (_byte(ptr, bo + 3, m3) << 8)
+            lo = (_byte(ptr, bo + 4 + (ib >> 1), m3) >> ((ib & 1) * 4)) & 0xF
             ls = lo | (((sh >> (2 * ib)) & 3) << 4)
             dl = d * (ls - 32).to(tl.float32)                               # d * (ls - 32)
-            qs = _byte(ptr, bo + 8 + ib * 16 + l16, m4)
-            kv = tl.load(kv_ptr + ((qs >> (4 * h)) & 0xF))
-            w = dl * kv                                                     # dl * kvalues[q]
+            qs = _byte(ptr, bo + 8 + ib * 16 + l, m3)
+            w = dl * tl.load(kv_ptr + ((qs >> ((s & 1) * 4)) & 0xF))       # dl * kvalues[q]
         else:
-            # IQ3_S: shape (R, 8, 8, 4): sub-block ib of 32, grid index k, value v
-            bo = rbase[:, None, None, None]
-            m4 = rmask[:, None, None, None]
-            ib = tl.arange(0, 8)[None, :, None, None]
-            k = tl.arange(0, 8)[None, None, :, None]
-            v = tl.arange(0, 4)[None, None, None, :]
-            d = _f16(ptr, bo, m4)
-            s = (_byte(ptr, bo + 106 + (ib >> 1), m4) >> ((ib & 1) * 4)) & 0xF
-            db = d * (1 + 2 * s).to(tl.float32)                             # d * (1 + 2*s)
-            qs = _byte(ptr, bo + 2 + ib * 8 + k, m4)                         # (R, 8, 8, 1)
-            qh = _byte(ptr, bo + 66 + ib, m4)                                # (R, 8, 1, 1)
+            # IQ3_S: sub-block ib = s >> 1 of 32; grid index k = (s & 1) * 4 + (l >> 2) (4
+            # weights each), value v = l & 3
+            d = _f16(ptr, bo, m3)
+            ib = s >> 1
+            sv = (_byte(ptr, bo + 106 + (ib >> 1), m3) >> ((ib & 1) * 4)) & 0xF
+            db = d * (1 + 2 * sv).to(tl.float32)                            # d * (1 + 2*s)
+            k = (s & 1) * 4 + (l >> 2)
+            v = l & 3
+            qs = _byte(ptr, bo + 2 + ib * 8 + k, m3)
+            qh = _byte(ptr, bo + 66 + ib, m3)
             g = tl.load(g3_ptr + (qs | (((qh >> k) & 1) << 8)))              # 4 packed values
-            gv = ((g >> (8 * v)) & 0xFF).to(tl.float32)                      # (R, 8, 8, 4)
-            sg = _byte(ptr, bo + 74 + ib * 4 + (k >> 1), m4)                 # (R, 8, 8, 1)
+            gv = ((g >> (8 * v)) & 0xFF).to(tl.float32)
+            sg = _byte(ptr, bo + 74 + ib * 4 + (k >> 1), m3)
             neg = (sg >> ((k & 1) * 4 + v)) & 1
             y = (db * gv).to(tl.int32, bitcast=True) ^ (neg << 31)           # y * (+-1)
             w = y.to(tl.float32, bitcast=True)
-        return tl.reshape(w, [R, 256])
+        return w
 
     @triton.jit
     def _decode(T: tl.constexpr, ptr, rb, rows, rmask, pid_c, kv_ptr, g3_ptr,
                 R: tl.constexpr, C: tl.constexpr):
         """Tile (R rows from ``rows``, column tile ``pid_c`` of C weights) of candidate type T
-        -> (R, C) float32. ``rb``: bytes per row (elements per row for F16/BF16/F32)."""
+        -> (R, C // 16, 16) float32. ``rb``: bytes per row (elements per row for F16/BF16/F32)."""
+        S: tl.constexpr = C // 16
+        s = tl.arange(0, S)[None, :, None]
+        l = tl.arange(0, 16)[None, None, :]
+        r3 = rows[:, None, None]
+        m3 = rmask[:, None, None]
         if T >= 14:
-            cols = pid_c * C + tl.arange(0, C).to(tl.int64)
-            x = tl.load(ptr + rows[:, None] * rb + cols[None, :], mask=rmask[:, None], other=0)
+            cols = pid_c * C + s * 16 + l
+            x = tl.load(ptr + r3 * rb + cols, mask=m3, other=0)
             if T == 15:     # BF16 held as int16: the bits are float32's top half, exactly
                 w = (x.to(tl.int32) << 16).to(tl.float32, bitcast=True)
             else:
@@ -339,7 +302,7 @@ if _HAVE_TRITON:
                 TS: tl.constexpr = 136
             else:
                 TS: tl.constexpr = 110
-            w = _dec_256(T, ptr, rows * rb + pid_c * TS, rmask, kv_ptr, g3_ptr, R)
+            w = _dec_256(T, ptr, r3 * rb + pid_c * TS, m3, s, l, kv_ptr, g3_ptr)
         else:
             if T == 1:
                 TS: tl.constexpr = 34
@@ -351,7 +314,8 @@ if _HAVE_TRITON:
                 TS: tl.constexpr = 24
             else:
                 TS: tl.constexpr = 18
-            w = _dec_32(T, ptr, rows * rb + pid_c * ((C // 32) * TS), rmask, kv_ptr, R, C)
+            bo = r3 * rb + pid_c * ((C // 32) * TS) + (s >> 1) * TS
+            w = _dec_32(T, ptr, bo, m3, s, l, kv_ptr)
         return w
 
     @triton.jit
@@ -403,16 +367,23 @@ if _HAVE_TRITON:
                 acc = acc + _decode(T6, Q6, RB6, rows, rmask, pid_c, kv_ptr, g3_ptr, R, C) * p6
             if T7 != 0:
                 acc = acc + _decode(T7, Q7, RB7, rows, rmask, pid_c, kv_ptr, g3_ptr, R, C) * p7
-            cols = pid_c * C + tl.arange(0, C).to(tl.int64)
+            cols = pid_c * C + tl.arange(0, C // 16)[None, :, None] * 16 \
+                + tl.arange(0, 16)[None, None, :]
             if BF16_OUT:    # out_ptr is int16: round to nearest even by hand, NaN -> 0x7FC0 (c10)
+                # (the interpreter only: it truncates in .to(tl.bfloat16); CUDA's cvt.rn does
+                # round to nearest even in one instruction)
                 bits = acc.to(tl.int32, bitcast=True)
                 r = (bits + (0x7FFF + ((bits >> 16) & 1))) >> 16
                 nan = (bits & 0x7FFFFFFF) > 0x7F800000
                 o = tl.where(nan, 0x7FC0, r).to(tl.int16)
             else:
                 o = acc.to(out_ptr.dtype.element_ty)
-            tl.store(out_ptr + rows[:, None] * n_per_row + cols[None, :], o,
-                     mask=rmask[:, None])
+            tl.store(out_ptr + rows[:, None, None] * n_per_row + cols, o,
+                     mask=rmask[:, None, None])
+
+    @triton.jit
+    def _total(a):
+        return tl.sum(tl.sum(tl.sum(a, axis=2), axis=1), axis=0)
 
     @triton.jit
     def _dot_acc(acc, T: tl.constexpr, Q, RB, rows, rmask, pid_c, kv_ptr, g3_ptr, g,
@@ -432,19 +403,20 @@ if _HAVE_TRITON:
         tiles, reduced once at the end to one partial sum. Rows past the end load zero bytes
         (finite zero weights) and g = 0, so they add nothing."""
         pid, pid_g, rows, rmask = _tile_ids(n_rows, n_groups, R, EVEN_ROWS)
-        a0 = tl.zeros([R, C], tl.float32)
-        a1 = tl.zeros([R, C], tl.float32)
-        a2 = tl.zeros([R, C], tl.float32)
-        a3 = tl.zeros([R, C], tl.float32)
-        a4 = tl.zeros([R, C], tl.float32)
-        a5 = tl.zeros([R, C], tl.float32)
-        a6 = tl.zeros([R, C], tl.float32)
-        a7 = tl.zeros([R, C], tl.float32)
+        S: tl.constexpr = C // 16
+        a0 = tl.zeros([R, S, 16], tl.float32)
+        a1 = tl.zeros([R, S, 16], tl.float32)
+        a2 = tl.zeros([R, S, 16], tl.float32)
+        a3 = tl.zeros([R, S, 16], tl.float32)
+        a4 = tl.zeros([R, S, 16], tl.float32)
+        a5 = tl.zeros([R, S, 16], tl.float32)
+        a6 = tl.zeros([R, S, 16], tl.float32)
+        a7 = tl.zeros([R, S, 16], tl.float32)
         for i in range(CT):
             pid_c = pid_g * CT + i
-            cols = pid_c * C + tl.arange(0, C).to(tl.int64)
-            g = tl.load(g_ptr + rows[:, None] * n_per_row + cols[None, :], mask=rmask[:, None],
-                        other=0).to(tl.float32)
+            cols = pid_c * C + tl.arange(0, S)[None, :, None] * 16 + tl.arange(0, 16)[None, None, :]
+            g = tl.load(g_ptr + rows[:, None, None] * n_per_row + cols,
+                        mask=rmask[:, None, None], other=0).to(tl.float32)
             a0 = _dot_acc(a0, T0, Q0, RB0, rows, rmask, pid_c, kv_ptr, g3_ptr, g, R, C)
             if T1 != 0:
                 a1 = _dot_acc(a1, T1, Q1, RB1, rows, rmask, pid_c, kv_ptr, g3_ptr, g, R, C)
@@ -460,21 +432,21 @@ if _HAVE_TRITON:
                 a6 = _dot_acc(a6, T6, Q6, RB6, rows, rmask, pid_c, kv_ptr, g3_ptr, g, R, C)
             if T7 != 0:
                 a7 = _dot_acc(a7, T7, Q7, RB7, rows, rmask, pid_c, kv_ptr, g3_ptr, g, R, C)
-        tl.store(part_ptr + pid, tl.sum(tl.sum(a0, axis=1), axis=0))
+        tl.store(part_ptr + pid, _total(a0))
         if T1 != 0:
-            tl.store(part_ptr + n_programs + pid, tl.sum(tl.sum(a1, axis=1), axis=0))
+            tl.store(part_ptr + n_programs + pid, _total(a1))
         if T2 != 0:
-            tl.store(part_ptr + 2 * n_programs + pid, tl.sum(tl.sum(a2, axis=1), axis=0))
+            tl.store(part_ptr + 2 * n_programs + pid, _total(a2))
         if T3 != 0:
-            tl.store(part_ptr + 3 * n_programs + pid, tl.sum(tl.sum(a3, axis=1), axis=0))
+            tl.store(part_ptr + 3 * n_programs + pid, _total(a3))
         if T4 != 0:
-            tl.store(part_ptr + 4 * n_programs + pid, tl.sum(tl.sum(a4, axis=1), axis=0))
+            tl.store(part_ptr + 4 * n_programs + pid, _total(a4))
         if T5 != 0:
-            tl.store(part_ptr + 5 * n_programs + pid, tl.sum(tl.sum(a5, axis=1), axis=0))
+            tl.store(part_ptr + 5 * n_programs + pid, _total(a5))
         if T6 != 0:
-            tl.store(part_ptr + 6 * n_programs + pid, tl.sum(tl.sum(a6, axis=1), axis=0))
+            tl.store(part_ptr + 6 * n_programs + pid, _total(a6))
         if T7 != 0:
-            tl.store(part_ptr + 7 * n_programs + pid, tl.sum(tl.sum(a7, axis=1), axis=0))
+            tl.store(part_ptr + 7 * n_programs + pid, _total(a7))
 
 
 # ------------------------------------------------------------------------- launchers
@@ -484,12 +456,13 @@ def _env_int(name: str, default: int) -> int:
 
 
 def _config(c: int, kind: str) -> tuple[int, int]:
-    """(rows per program's tile, num_warps) for column tiles of ``c`` weights. ``mix``: 2048
-    weights a tile, 4 warps (64 registers a thread for the 6-type menu, compiled for sm_90
-    without a GPU); ``dots``: 1024 weights a tile, 4 warps (its K float32 accumulators: 128
-    registers; 2048 weights need 181). ``VOODOO_TRITON_ROWS`` / ``VOODOO_TRITON_WARPS``
-    override both (for tuning on a GPU)."""
-    per_tile = 2048 if kind == "mix" else 1024
+    """(rows per program's tile, num_warps) for column tiles of ``c`` weights: 2048 weights a
+    tile (16 a thread), 4 warps, for ``mix`` and ``dots`` alike. Compiled for sm_90 (without a
+    GPU) for the 6-type menu: mix 72 / dots 80 registers a thread, about 2.4 / 2.8 warp
+    instructions an output weight (all six candidates); 4096-weight tiles save ~6% of the
+    instructions for 96 / 127 registers. ``VOODOO_TRITON_ROWS`` / ``VOODOO_TRITON_WARPS``
+    override (powers of two; for tuning on a GPU)."""
+    per_tile = 2048
     r = _env_int("VOODOO_TRITON_ROWS", max(1, per_tile // c))
     w = _env_int("VOODOO_TRITON_WARPS", 4)
     if r < 1 or r & (r - 1) or w < 1 or w & (w - 1):
@@ -499,8 +472,8 @@ def _config(c: int, kind: str) -> tuple[int, int]:
 
 #: A program walks over up to this many column tiles (fewer when that would leave fewer than
 #: :data:`MIN_PROGRAMS` programs); ``VOODOO_TRITON_CT`` overrides. 1 by default: compiled for
-#: sm_90, a loop over 4 tiles kept the loop-invariant per-weight addresses live (255 registers
-#: and spills for the 6-type menu) for no fewer instructions a weight.
+#: sm_90, a loop over 2 or 4 tiles kept loop-invariant per-weight addresses live (6-type menu:
+#: mix 96-128, dots ~240 registers instead of 72 / 80) for no fewer instructions a weight.
 MAX_CT = 1
 MIN_PROGRAMS = 2048
 
@@ -575,8 +548,9 @@ def mix(probs: torch.Tensor, blocks, types, n_per_row: int,
 
     Returns:
         ``(n_rows, n_per_row)`` tensor of ``out_dtype``: the eager loop's float32 arithmetic
-        (``acc = deq_0 * p_0``, ``acc = acc + deq_k * p_k``) bit for bit, then cast (bf16:
-        round to nearest even, NaN -> 0x7FC0, as torch's CPU cast).
+        (``acc = deq_0 * p_0``, ``acc = acc + deq_k * p_k``) bit for bit, then cast (to bf16
+        with round to nearest even, as torch casts; a NaN is CUDA's canonical 0x7FFF on the GPU
+        and torch's CPU 0x7FC0 in the interpreter).
 
     Raises:
         TypeError: a candidate that is not uint8.
@@ -596,7 +570,7 @@ def mix(probs: torch.Tensor, blocks, types, n_per_row: int,
     if n_rows == 0:
         return out
     with _on(dev):
-        bf16 = out_dtype == torch.bfloat16
+        bf16 = out_dtype == torch.bfloat16 and _INTERPRET
         _mix_kernel[(n_programs,)](out.view(torch.int16) if bf16 else out, probs.contiguous(),
                                    *ptrs, *rbs, kv, g3, n_rows, n_per_row, n_groups, *codes,
                                    R=r, C=c, CT=ct, BF16_OUT=bf16, EVEN_ROWS=n_rows % r == 0,
