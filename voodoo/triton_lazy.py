@@ -563,20 +563,33 @@ def mix(probs: torch.Tensor, blocks, types, n_per_row: int,
         raise ValueError(f"probs must be ({len(types)},) float32, got {tuple(probs.shape)} "
                          f"{probs.dtype}")
     dev = blocks[0].device
-    c, r, warps, ct, n_groups, n_programs = _launch_shape(types, n_rows, n_per_row, "mix")
-    ptrs, rbs, codes = _args(blocks, types, n_per_row)
-    kv, g3 = _tables(dev)
     out = torch.empty((n_rows, n_per_row), dtype=out_dtype, device=dev)
-    if n_rows == 0:
-        return out
-    with _on(dev):
-        bf16 = out_dtype == torch.bfloat16 and _INTERPRET
-        _mix_kernel[(n_programs,)](out.view(torch.int16) if bf16 else out, probs.contiguous(),
-                                   *ptrs, *rbs, kv, g3, n_rows, n_per_row, n_groups, *codes,
-                                   R=r, C=c, CT=ct, BF16_OUT=bf16, EVEN_ROWS=n_rows % r == 0,
-                                   num_warps=warps,
-                                   enable_fp_fusion=False)
+    blocks = [b.reshape(n_rows, -1) for b in blocks]
+    bf16 = out_dtype == torch.bfloat16 and _INTERPRET
+    # whole row tiles in one launch without row masks, the last partial tile in another
+    for r0, r1, even in _row_parts(types, n_rows, n_per_row, "mix"):
+        c, r, warps, ct, n_groups, n_programs = _launch_shape(types, r1 - r0, n_per_row, "mix")
+        ptrs, rbs, codes = _args([b[r0:r1] for b in blocks], types, n_per_row)
+        kv, g3 = _tables(dev)
+        o = out[r0:r1]
+        with _on(dev):
+            _mix_kernel[(n_programs,)](o.view(torch.int16) if bf16 else o, probs.contiguous(),
+                                       *ptrs, *rbs, kv, g3, r1 - r0, n_per_row, n_groups,
+                                       *codes, R=r, C=c, CT=ct, BF16_OUT=bf16, EVEN_ROWS=even,
+                                       num_warps=warps, enable_fp_fusion=False)
     return out
+
+
+def _row_parts(types, n_rows, n_per_row, kind):
+    """``(r0, r1, even)``: rows ``r0:r1`` that are whole row tiles (even) and the rest."""
+    if n_rows == 0:
+        return []
+    r = _config(_col_tile(types, n_per_row), kind)[0]
+    n_even = n_rows - n_rows % r
+    parts = [(0, n_even, True)] if n_even else []
+    if n_even < n_rows:
+        parts.append((n_even, n_rows, False))
+    return parts
 
 
 def dots(g: torch.Tensor, blocks, types, n_per_row: int) -> torch.Tensor:
@@ -588,19 +601,24 @@ def dots(g: torch.Tensor, blocks, types, n_per_row: int) -> torch.Tensor:
     if tuple(g.shape) != (n_rows, n_per_row):
         raise ValueError(f"g has shape {tuple(g.shape)}, expected {(n_rows, n_per_row)}")
     dev = blocks[0].device
-    c, r, warps, ct, n_groups, n_programs = _launch_shape(types, n_rows, n_per_row, "dots")
-    ptrs, rbs, codes = _args(blocks, types, n_per_row)
-    kv, g3 = _tables(dev)
     k = len(types)
-    if n_rows == 0:
+    blocks = [b.reshape(n_rows, -1) for b in blocks]
+    g = g.contiguous()
+    parts = []
+    for r0, r1, even in _row_parts(types, n_rows, n_per_row, "dots"):
+        c, r, warps, ct, n_groups, n_programs = _launch_shape(types, r1 - r0, n_per_row, "dots")
+        ptrs, rbs, codes = _args([b[r0:r1] for b in blocks], types, n_per_row)
+        kv, g3 = _tables(dev)
+        part = torch.empty((MAX_K, n_programs), dtype=torch.float32, device=dev)
+        with _on(dev):
+            _dots_kernel[(n_programs,)](part, g[r0:r1], *ptrs, *rbs, kv, g3,
+                                        r1 - r0, n_per_row, n_groups, n_programs, *codes,
+                                        R=r, C=c, CT=ct, EVEN_ROWS=even, num_warps=warps,
+                                        enable_fp_fusion=False)
+        parts.append(part[:k])
+    if not parts:
         return torch.zeros(k, dtype=torch.float32, device=dev)
-    part = torch.empty((MAX_K, n_programs), dtype=torch.float32, device=dev)
-    with _on(dev):
-        _dots_kernel[(n_programs,)](part, g.contiguous(), *ptrs, *rbs, kv, g3,
-                                    n_rows, n_per_row, n_groups, n_programs, *codes,
-                                    R=r, C=c, CT=ct, EVEN_ROWS=n_rows % r == 0, num_warps=warps,
-                                    enable_fp_fusion=False)
-    return part[:k].sum(1)
+    return torch.cat(parts, 1).sum(1)
 
 
 def dequantize(blocks: torch.Tensor, qtype: str, n_per_row: int) -> torch.Tensor:
