@@ -19,17 +19,18 @@ A program decodes a tile of ``R`` rows x ``C`` columns of every candidate, align
 blocks: ``C = 256`` when the row length is a multiple of 256 (always so when the menu holds a
 256-block type), else the largest of 128/64/32 that divides it (32-block types only). Every
 type's decoder produces the tile in one common shape, ``(R, C // 16, 16)`` (16 consecutive
-weights along the last axis), so the K candidates share one register layout and no data moves
-between threads; the bytes a thread needs along those 16 weights come in one vector load, the
-scales once per group of 16 weights, broadcast along the last axis.
+weights along the last axis), so the K candidates share one register layout (no layout
+conversions between them); the bytes a thread needs along those 16 weights come in one vector
+load, the scales once per group of 16 weights, broadcast along the last axis.
 
 Types (:data:`TYPE_CODES`): Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL,
 IQ4_XS, IQ3_S, F16, BF16, F32. :func:`supports` says whether a menu can use these kernels; the
 caller falls back to Inductor (or eager torch) otherwise, and when Triton does not import.
 
-Checked bit for bit against :func:`voodoo.dequant.dequantize` in Triton's interpreter
-(``tests/test_triton_lazy.py``) and against libggml on the GPU with ``benchmarks/
-lazy_candidates.py check-triton``.
+Checked bit for bit against :func:`voodoo.dequant.dequantize` and libggml's reference bytes in
+Triton's CPU interpreter (``tests/test_triton_lazy.py``; ``benchmarks/lazy_candidates.py
+check-triton`` with ``TRITON_INTERPRET=1``) and compiled for sm_90 without a GPU (no ``fma`` or
+``.ftz`` in the PTX); ``check-triton --device cuda`` checks the compiled kernels on a GPU.
 """
 
 from __future__ import annotations
