@@ -333,6 +333,12 @@ if _HAVE_TRITON:
         return pid.to(tl.int64), pid_g, rows, rmask
 
     @triton.jit
+    def _term(T: tl.constexpr, Q, RB, rows, rmask, pid_c, kv_ptr, g3_ptr, p_ptr, k: tl.constexpr,
+              R: tl.constexpr, C: tl.constexpr):
+        """``deq_k * p_k`` of one tile (a rounded product: the kernels never contract)."""
+        return _decode(T, Q, RB, rows, rmask, pid_c, kv_ptr, g3_ptr, R, C) * tl.load(p_ptr + k)
+
+    @triton.jit
     def _mix_kernel(out_ptr, p_ptr, Q0, Q1, Q2, Q3, Q4, Q5, Q6, Q7,
                     RB0, RB1, RB2, RB3, RB4, RB5, RB6, RB7, kv_ptr, g3_ptr,
                     n_rows, n_per_row, n_groups,
@@ -342,32 +348,31 @@ if _HAVE_TRITON:
                     BF16_OUT: tl.constexpr, EVEN_ROWS: tl.constexpr):
         """Each program: R rows x CT column tiles of C weights, one tile after the other."""
         pid, pid_g, rows, rmask = _tile_ids(n_rows, n_groups, R, EVEN_ROWS)
-        p0 = tl.load(p_ptr)
-        p1 = tl.load(p_ptr + 1) if T1 != 0 else 0.0
-        p2 = tl.load(p_ptr + 2) if T2 != 0 else 0.0
-        p3 = tl.load(p_ptr + 3) if T3 != 0 else 0.0
-        p4 = tl.load(p_ptr + 4) if T4 != 0 else 0.0
-        p5 = tl.load(p_ptr + 5) if T5 != 0 else 0.0
-        p6 = tl.load(p_ptr + 6) if T6 != 0 else 0.0
-        p7 = tl.load(p_ptr + 7) if T7 != 0 else 0.0
         for i in range(CT):
             pid_c = pid_g * CT + i
             # the eager loop: acc = deq_0 * p_0; acc = acc + deq_k * p_k (fp fusion off: no FMA)
-            acc = _decode(T0, Q0, RB0, rows, rmask, pid_c, kv_ptr, g3_ptr, R, C) * p0
+            acc = _term(T0, Q0, RB0, rows, rmask, pid_c, kv_ptr, g3_ptr, p_ptr, 0, R, C)
             if T1 != 0:
-                acc = acc + _decode(T1, Q1, RB1, rows, rmask, pid_c, kv_ptr, g3_ptr, R, C) * p1
+                acc = acc + _term(T1, Q1, RB1, rows, rmask, pid_c, kv_ptr, g3_ptr, p_ptr, 1,
+                                  R, C)
             if T2 != 0:
-                acc = acc + _decode(T2, Q2, RB2, rows, rmask, pid_c, kv_ptr, g3_ptr, R, C) * p2
+                acc = acc + _term(T2, Q2, RB2, rows, rmask, pid_c, kv_ptr, g3_ptr, p_ptr, 2,
+                                  R, C)
             if T3 != 0:
-                acc = acc + _decode(T3, Q3, RB3, rows, rmask, pid_c, kv_ptr, g3_ptr, R, C) * p3
+                acc = acc + _term(T3, Q3, RB3, rows, rmask, pid_c, kv_ptr, g3_ptr, p_ptr, 3,
+                                  R, C)
             if T4 != 0:
-                acc = acc + _decode(T4, Q4, RB4, rows, rmask, pid_c, kv_ptr, g3_ptr, R, C) * p4
+                acc = acc + _term(T4, Q4, RB4, rows, rmask, pid_c, kv_ptr, g3_ptr, p_ptr, 4,
+                                  R, C)
             if T5 != 0:
-                acc = acc + _decode(T5, Q5, RB5, rows, rmask, pid_c, kv_ptr, g3_ptr, R, C) * p5
+                acc = acc + _term(T5, Q5, RB5, rows, rmask, pid_c, kv_ptr, g3_ptr, p_ptr, 5,
+                                  R, C)
             if T6 != 0:
-                acc = acc + _decode(T6, Q6, RB6, rows, rmask, pid_c, kv_ptr, g3_ptr, R, C) * p6
+                acc = acc + _term(T6, Q6, RB6, rows, rmask, pid_c, kv_ptr, g3_ptr, p_ptr, 6,
+                                  R, C)
             if T7 != 0:
-                acc = acc + _decode(T7, Q7, RB7, rows, rmask, pid_c, kv_ptr, g3_ptr, R, C) * p7
+                acc = acc + _term(T7, Q7, RB7, rows, rmask, pid_c, kv_ptr, g3_ptr, p_ptr, 7,
+                                  R, C)
             cols = pid_c * C + tl.arange(0, C // 16)[None, :, None] * 16 \
                 + tl.arange(0, 16)[None, None, :]
             if BF16_OUT:    # out_ptr is int16: round to nearest even by hand, NaN -> 0x7FC0 (c10)
