@@ -158,6 +158,10 @@ def _mix_case(types, shape, device, rng, what, out_dtypes=(torch.float32, torch.
         p[k] = 1.0
         _expect(bits_equal(fast.mix(p.to(device)), eager.mix(p)),
                 f"mix  {what} one-hot e_{k} ({types[k]})")
+        # dense(k) (a Q8_0 teacher's weights) runs the mix kernel with p = 1 on one candidate
+        for dt in out_dtypes:
+            _expect(bits_equal(fast.dense(k, dt), eager.dense(k, dt)),
+                    f"dense {what} candidate {k} ({types[k]}) -> {dt}")
     g = torch.from_numpy(rng.standard_normal(shape)).float()
     dense = torch.stack([eager.dense(k).double() for k in range(len(types))])
     for gd in (torch.float32, torch.bfloat16):

@@ -171,8 +171,14 @@ class QuantizedCandidates(torch.nn.Module):
     def dense(self, k: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Candidate ``k`` dequantized: ``shape`` tensor of ``dtype`` on the buffers' device
         (float32: libggml's ``to_float`` bits exactly). With K = 1 this is how a quantized
-        (e.g. Q8_0) teacher weight is rebuilt on the fly."""
+        (e.g. Q8_0) teacher weight is rebuilt on the fly. On the Triton path this is the
+        mix kernel over candidate ``k`` alone with ``p = 1`` (``x * 1.0 == x`` bit for bit)."""
         if self._compiled():
+            tk = _triton_kernels(self, torch.float32, types=self.types[k:k + 1])
+            if tk is not None:
+                one = torch.ones(1, dtype=torch.float32, device=self.device)
+                return tk.mix(one, [self.blocks(k)], self.types[k:k + 1], self.n_per_row,
+                              dtype).reshape(self.shape)
             warm_tables(self.types[k:k + 1], self.device)
             fn = _compiled_fn("dense")
             with torch._dynamo.config.patch(**compile_recompile_limit()):
@@ -352,7 +358,7 @@ def lazy_kernel_choice() -> str:
     return v
 
 
-def _triton_kernels(cands: "QuantizedCandidates", acc_dtype: torch.dtype):
+def _triton_kernels(cands: "QuantizedCandidates", acc_dtype: torch.dtype, types=None):
     """:mod:`voodoo.triton_lazy` when it should run this call, else None (-> Inductor): CUDA
     buffers (or CPU ones under ``TRITON_INTERPRET=1``, for tests), float32 accumulation, a
     menu and row length the kernels handle, Triton importable, not switched off."""
@@ -365,7 +371,8 @@ def _triton_kernels(cands: "QuantizedCandidates", acc_dtype: torch.dtype):
         from . import triton_lazy
     except Exception:  # noqa: BLE001 - any import failure: fall back
         return None
-    return triton_lazy if triton_lazy.supports(cands.types, cands.n_per_row) else None
+    types = cands.types if types is None else types
+    return triton_lazy if triton_lazy.supports(types, cands.n_per_row) else None
 
 
 def _compiled_fn(kind: str):
