@@ -600,6 +600,10 @@ def _gated(f, n, ids, plain_ms, out):
 
     def full_step():
         train_step(student, tfn, ids, opt, params, cfg, budget, 1.0)
+    # the teacher's forward alone: with the gated forward+backward, the floor of a whole step
+    # (what is left is the loss over the logits and Adam)
+    out["teacher_ms"] = _time(lambda: tfn(ids), n)
+    out["ratio_gated_plus_teacher_over_plain"] = (out["gated_ms"] + out["teacher_ms"]) / plain_ms
     if DEV == "cuda":
         torch.cuda.reset_peak_memory_stats()
     out["step_ms"] = _time(full_step, n)
