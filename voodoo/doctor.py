@@ -102,6 +102,16 @@ def run(out=sys.stdout, model: str | None = None) -> int:
                 else "CUDA " + str(torch.version.cuda)
             gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
             line("accelerator", f"{kind}: {len(gpus)} GPU(s): {', '.join(gpus)}")
+            try:
+                import triton
+                from .lazy import lazy_kernel_choice
+                line("--lazy kernels", f"{lazy_kernel_choice()} (Triton {triton.__version__}; "
+                     f"VOODOO_LAZY_KERNEL=inductor for the torch.compile'd ones)")
+            except ImportError:
+                line("--lazy kernels", "torch.compile'd (Triton not importable: --lazy runs "
+                     "slower; pip install triton)")
+            except ValueError as e:
+                problems.append(str(e))
         else:
             line("accelerator", "none (CPU only: gate training runs on the CPU in float32)")
     except ImportError:

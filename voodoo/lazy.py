@@ -354,7 +354,8 @@ def lazy_kernel_choice() -> str:
     ``"inductor"``. Raises ValueError for anything else."""
     v = os.environ.get(LAZY_KERNEL_ENV, "triton").strip().lower() or "triton"
     if v not in ("triton", "inductor"):
-        raise ValueError(f"{LAZY_KERNEL_ENV}={v!r}: expected 'triton' or 'inductor'")
+        raise ValueError(f"{LAZY_KERNEL_ENV}={v!r}: expected 'triton' or 'inductor' "
+                         f"(unset it for the default, triton)")
     return v
 
 
