@@ -237,6 +237,22 @@ def check_fallback():
             os.environ["VOODOO_LAZY_KERNEL"] = old
     _expect(_triton_kernels(q, torch.float64) is None, "float64 accumulation falls back")
 
+    # no rows (an empty shard or row selection): empty results, as on the eager path
+    z = QuantizedCandidates([torch.zeros(0, dtype=torch.uint8)] * 2, ["Q8_0", "Q4_0"], (0, 64),
+                            compile=True)
+    if z.device.type == "cpu" or _triton_kernels(z, torch.float32) is tlz:
+        w = tlz.mix(torch.full((2,), 0.5), [z.blocks(0), z.blocks(1)], z.types, 64)
+        d = tlz.dots(torch.zeros(0, 64), [z.blocks(0), z.blocks(1)], z.types, 64)
+        _expect(w.shape == (0, 64) and d.tolist() == [0.0, 0.0], "zero rows: mix (0, 64), dots 0")
+    # probabilities on another device than the bytes: a clear error (on a GPU machine)
+    if torch.cuda.is_available():
+        try:
+            tlz.mix(torch.ones(1), [torch.zeros(34, dtype=torch.uint8, device="cuda")], ["Q8_0"],
+                    32)
+            _expect(False, "probs on the CPU, bytes on cuda: ValueError")
+        except ValueError:
+            _expect(True, "probs on the CPU, bytes on cuda: ValueError")
+
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()

@@ -38,6 +38,7 @@ types bit-identical to libggml and a K = 6 mix bit-identical to the CPU eager lo
 from __future__ import annotations
 
 import os
+import threading
 
 import torch
 
@@ -543,6 +544,13 @@ def _n_rows(blocks, types, n_per_row: int) -> int:
     return n_rows
 
 
+def _rows(blocks, types, n_rows: int, n_per_row: int):
+    """Each candidate as ``(n_rows, row_bytes)`` (also for zero rows, where -1 cannot be
+    inferred)."""
+    from .quants import qtype
+    return [b.reshape(n_rows, qtype(t).row_nbytes(n_per_row)) for b, t in zip(blocks, types)]
+
+
 def mix(probs: torch.Tensor, blocks, types, n_per_row: int,
         out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``sum_k probs[k] * deq(blocks[k])``, one launch.
@@ -562,7 +570,7 @@ def mix(probs: torch.Tensor, blocks, types, n_per_row: int,
 
     Raises:
         TypeError: a candidate that is not uint8.
-        ValueError: ``probs`` not ``(K,)`` float32, a menu :func:`supports` refuses, byte
+        ValueError: ``probs`` not ``(K,)`` float32 on the blocks' device, a menu :func:`supports` refuses, byte
             counts that are not the same whole number of rows, or a bad
             ``VOODOO_TRITON_ROWS``/``VOODOO_TRITON_WARPS``.
     """
@@ -571,8 +579,10 @@ def mix(probs: torch.Tensor, blocks, types, n_per_row: int,
         raise ValueError(f"probs must be ({len(types)},) float32, got {tuple(probs.shape)} "
                          f"{probs.dtype}")
     dev = blocks[0].device
+    if probs.device != dev:
+        raise ValueError(f"probs are on {probs.device}, the candidates on {dev}")
     out = torch.empty((n_rows, n_per_row), dtype=out_dtype, device=dev)
-    blocks = [b.reshape(n_rows, -1) for b in blocks]
+    blocks = _rows(blocks, types, n_rows, n_per_row)
     bf16 = out_dtype == torch.bfloat16 and _INTERPRET
     # whole row tiles in one launch without row masks, the last partial tile in another
     for r0, r1, even in _row_parts(types, n_rows, n_per_row, "mix"):
@@ -609,8 +619,10 @@ def dots(g: torch.Tensor, blocks, types, n_per_row: int) -> torch.Tensor:
     if tuple(g.shape) != (n_rows, n_per_row):
         raise ValueError(f"g has shape {tuple(g.shape)}, expected {(n_rows, n_per_row)}")
     dev = blocks[0].device
+    if g.device != dev:
+        raise ValueError(f"g is on {g.device}, the candidates on {dev}")
     k = len(types)
-    blocks = [b.reshape(n_rows, -1) for b in blocks]
+    blocks = _rows(blocks, types, n_rows, n_per_row)
     g = g.contiguous()
     parts = []
     for r0, r1, even in _row_parts(types, n_rows, n_per_row, "dots"):
@@ -639,17 +651,31 @@ def dequantize(blocks: torch.Tensor, qtype: str, n_per_row: int) -> torch.Tensor
     return mix(one, [b], [t.name], n_per_row, torch.float32)
 
 
+#: One launch (and so one first-call compile) at a time in a process: autograd runs a backward
+#: thread per GPU under ``--device_map``, and Triton's compilation is not thread-safe
+#: (triton-lang/triton#5933). Launches are asynchronous, so the lock is held only briefly.
+_LAUNCH_LOCK = threading.RLock()
+
+
 class _on:
     """``torch.cuda.device(dev)`` for a CUDA device (Triton launches on the current one);
-    nothing otherwise (the interpreter)."""
+    nothing otherwise (the interpreter); and :data:`_LAUNCH_LOCK` held meanwhile."""
 
     def __init__(self, dev):
         self.ctx = torch.cuda.device(dev) if torch.device(dev).type == "cuda" else None
 
     def __enter__(self):
+        _LAUNCH_LOCK.acquire()
         if self.ctx is not None:
-            self.ctx.__enter__()
+            try:
+                self.ctx.__enter__()
+            except BaseException:
+                _LAUNCH_LOCK.release()
+                raise
 
     def __exit__(self, *a):
-        if self.ctx is not None:
-            self.ctx.__exit__(*a)
+        try:
+            if self.ctx is not None:
+                self.ctx.__exit__(*a)
+        finally:
+            _LAUNCH_LOCK.release()
