@@ -239,3 +239,38 @@ def test_agrees_with_llama_imatrix(smol_model, smol_tokenizer, smol_gguf, tmp_pa
           f"max {rel[worst]:.4f} ({worst})")
     assert np.median(list(rel.values())) < 0.01
     assert rel[worst] < 0.06, worst
+
+
+def test_hessians_are_each_modules_own_input():
+    """``compute_hessians``: every Linear's ``X^T X / n`` from its own input, checked against a
+    plain capture; q/k/v of one layer share one array, layers never do (an input's freed
+    memory is reused by the next layer's: aliasing by address merged them all)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from voodoo.imatrix import compute_hessians
+    torch.manual_seed(0)
+    m = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                                     num_attention_heads=4, num_key_value_heads=2,
+                                     vocab_size=300, tie_word_embeddings=True)).eval()
+    names = {f"model.layers.{i}.{h}": f"blk.{i}.{g}.weight" for i in range(4)
+             for h, g in (("self_attn.q_proj", "attn_q"), ("self_attn.k_proj", "attn_k"),
+                          ("self_attn.o_proj", "attn_output"), ("mlp.down_proj", "ffn_down"))}
+    names["lm_head"] = "token_embd.weight"
+    blocks = torch.randint(0, 300, (3, 40), generator=torch.Generator().manual_seed(1))
+    got = compute_hessians(m, blocks, names)
+    xs: dict[str, list[torch.Tensor]] = {g: [] for g in names.values()}
+    mods = dict(m.named_modules())
+    hs = [mods[n].register_forward_pre_hook(
+        lambda _m, a, g=g: xs[g].append(a[0].detach().reshape(-1, a[0].shape[-1]).clone()))
+        for n, g in names.items()]
+    with torch.no_grad():
+        for i in range(len(blocks)):
+            m(input_ids=blocks[i:i + 1])
+    for h in hs:
+        h.remove()
+    for g, chunks in xs.items():
+        x = torch.cat(chunks).double()
+        want = (x.T @ x / x.shape[0]).float().numpy()
+        np.testing.assert_allclose(got[g], want, rtol=1e-4, atol=1e-6, err_msg=g)
+    assert got["blk.2.attn_q.weight"] is got["blk.2.attn_k.weight"]
+    assert not np.allclose(got["blk.1.attn_q.weight"], got["blk.2.attn_q.weight"])

@@ -14,6 +14,24 @@ from voodoo.candidates import (CandidateCache, CandidateJob, candidate_key, plan
 from voodoo.llamacpp import LlamaCppNotBuilt, tool_path
 
 
+def test_logit_kl_is_the_kl_to_second_order():
+    """:func:`voodoo.rounding.logit_kl` against the exact mean KL(softmax(x w^T) ||
+    softmax(x deq^T)) of a small head error: within 3%; and zero for no error."""
+    import torch
+
+    from voodoo.rounding import logit_kl
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal((300, 48)).astype(np.float32)
+    x = (0.3 * rng.standard_normal((200, 48))).astype(np.float32)
+    deq = (w + 0.02 * rng.standard_normal(w.shape)).astype(np.float32)
+    lp = torch.log_softmax(torch.from_numpy(x @ w.T).double(), -1)
+    lq = torch.log_softmax(torch.from_numpy(x @ deq.T).double(), -1)
+    exact = float((lp.exp() * (lp - lq)).sum(-1).mean())
+    got = logit_kl(w, deq, x, chunk=64)
+    assert exact > 0 and abs(got / exact - 1) < 0.03, (got, exact)
+    assert logit_kl(w, w, x) == pytest.approx(0.0, abs=1e-12)
+
+
 def test_keys_and_bytes():
     rng = np.random.default_rng(0)
     w = (0.05 * rng.standard_normal((16, 512))).astype(np.float32)  # two Q4_K column groups
@@ -88,3 +106,73 @@ def test_gptq_run_exports_its_own_bytes(tiny_fixed, tmp_path):
     text.write_text("The quick brown fox jumps over the lazy dog. " * 200)
     r = run_perplexity(out / "g.gguf", text, ctx=128, chunks=2)
     assert np.isfinite(r["ppl"]) and r["ppl"] > 1
+
+
+@pytest.mark.slow
+def test_auto_rounding_keeps_the_better_bytes_per_pair(tiny_fixed, tmp_path):
+    """``--rounding auto``: every (tensor, type) pair gets whichever bytes have the smaller
+    ``tr(E H E^T)`` on the held-out blocks' Hessian; recomputed here from the saved Hessians and
+    libggml's bytes, and the export holds exactly the chosen bytes."""
+    import json
+
+    from voodoo.imatrix import read_imatrix
+    from voodoo.models import prepare_model
+    from voodoo.pipeline import base_weights, load_hessians
+    from voodoo.rounding import proxy_error
+    import cython_ggml as cg
+    args = ["--model", str(tiny_fixed), "--seq_len", "64", "--n_train_blocks", "8",
+            "--n_eval_blocks", "4", "--imatrix_blocks", "4", "--hessian_blocks", "8",
+            "--no_ray", "--seed", "0", "--candidate_types", "Q8_0,Q5_0,IQ4_NL,Q4_K,Q2_K"]
+    out = tmp_path / "run"
+    rc, _, err = run_cli(["train", *args, "--output_dir", str(out), "--compression_ratio", "0.5",
+                          "--max_steps", "1", "--output_name", "a", "--rounding", "auto"])
+    assert rc == 0, err[-3000:]
+    assert "--rounding auto: error-feedback bytes kept for" in err
+    table = json.loads((out / "rounding.json").read_text())["tensors"]
+    fit = load_hessians(out / "hessians.npz")
+    held = load_hessians(out / "hessians-heldout.npz")
+    im = read_imatrix(out / "imatrix.gguf")
+    w = base_weights(prepare_model(str(tiny_fixed)).base_gguf)
+    # the tied embedding is rounded for its output head: that matmul's input Hessian
+    assert fit["token_embd.weight"].shape == (w["token_embd.weight"].shape[1],) * 2
+    assert "token_embd.weight" in table
+    kinds = set()
+    for name, per_type in table.items():
+        for t, ent in per_type.items():
+            assert ent["choice"] == ("feedback" if ent["feedback"] < ent["ggml"] else "ggml")
+            # the output head is scored by its logits' KL, the rest by tr(E H E^T)
+            assert ent["proxy"] == ("logit_kl" if name == "token_embd.weight" else
+                                    "output_error"), (name, ent["proxy"])
+            kinds.add(ent["choice"])
+    assert len(table) >= 4 and kinds == {"feedback", "ggml"}, kinds
+    # one pair of each kind, recomputed from scratch
+    for want in ("feedback", "ggml"):
+        name, t = next((n, t) for n, pt in sorted(table.items()) for t, e in sorted(pt.items())
+                       if e["choice"] == want and e["proxy"] == "output_error")
+        row = im.get(name)
+        for src, h in (("ggml", None), ("feedback", fit[name])):
+            q = quantize_candidate(w[name], t, row, name, hessian=h)
+            e = proxy_error(w[name], cg.dequantize(q, t, w[name].shape[1]), held[name])
+            assert e == pytest.approx(table[name][t][src], rel=1e-9), (name, t, src)
+    # the export (without --rounding: the assignment's, auto) writes the chosen bytes of each
+    # tensor's assigned type
+    rc, _, err = run_cli(["export", *args, "--output_dir", str(out),
+                          "--assignment", str(out / "a.assignment.json")])
+    assert rc == 0, err[-3000:]
+    asg = json.loads((out / "a.assignment.json").read_text())
+    g = {x.name: x for x in GGUFReader(out / "a.gguf").tensors}
+    checked = 0
+    for name, v in asg["tensors"].items():
+        ent = table.get(name, {}).get(v["type"])
+        if ent is None:
+            continue
+        h = fit[name] if ent["choice"] == "feedback" else None
+        q = quantize_candidate(w[name], v["type"], im.get(name), name, hessian=h)
+        assert np.array_equal(np.asarray(g[name].data).reshape(-1), q.reshape(-1)), name
+        checked += 1
+    assert checked >= 4
+    # asked for explicitly: the very same file
+    rc, _, err = run_cli(["export", *args, "--output_dir", str(out), "--rounding", "auto",
+                          "--assignment", str(out / "a.assignment.json"), "--output_name", "b"])
+    assert rc == 0, err[-3000:]
+    assert (out / "b.gguf").read_bytes() == (out / "a.gguf").read_bytes()

@@ -83,13 +83,16 @@ def _menu_flags(ap):
                                                       "candidates, or $VOODOO_CACHE)")
     ap.add_argument("--no_ray", action="store_true",
                     help="quantize candidates in this process instead of Ray actors")
-    ap.add_argument("--rounding", choices=["ggml", "gptq"], default=None,
+    ap.add_argument("--rounding", choices=["ggml", "gptq", "auto"], default=None,
                     help="candidate bytes: 'ggml' = llama-quantize's own (the tensor-type file "
                          "reproduces the export); 'gptq' = error-feedback rounding with each "
                          "matmul input's Hessian from the calibration blocks (valid blocks of "
                          "the same types, run by stock llama.cpp; the tensor-type file then "
-                         "covers only the tensors it names). Default ggml; export and eval "
-                         "take the --assignment's")
+                         "covers only the tensors it names); 'auto' = per tensor and type, "
+                         "whichever of the two has the smaller error on the dataset's held-out "
+                         "(eval) calibration blocks: tr(E H E^T) of the matmul input, the "
+                         "logits' KL for the output head (<output_dir>/rounding.json). "
+                         "Default ggml; export and eval take the --assignment's")
     ap.add_argument("--hessian_blocks", type=int, default=None,
                     help="calibration blocks behind the input Hessians of --rounding gptq "
                          "(the first N train blocks; at 16, as many as the imatrix, ffn_down's "
@@ -682,9 +685,36 @@ class Run:
                 from .provenance import record
                 record(self.out, "imatrix.gguf", self.imatrix_inputs())
         self.hessians = None
-        if getattr(a, "rounding", None) == "gptq":
+        if getattr(a, "rounding", None) in ("gptq", "auto"):
             self.hessians = self.input_hessians()
         return self.im
+
+    def feedback_for(self, menus):
+        """``--rounding auto``: the (tensor, type) pairs of ``menus`` whose error-feedback bytes
+        beat llama-quantize's on held-out calibration blocks (:func:`voodoo.pipeline.
+        choose_rounding`, choices kept in ``<output_dir>/rounding.json``); None otherwise.
+        Raises UsageError when the dataset has no eval blocks to hold out."""
+        if getattr(self.a, "rounding", None) != "auto":
+            return None
+        from .pipeline import choose_rounding, ensure_hessians, head_inputs, head_tensor
+        from .provenance import tokens_sha256
+        if getattr(self, "eval_blocks", None) is None:
+            self.data()
+        held = self.eval_blocks
+        if held is None or len(held) == 0:
+            raise UsageError("--rounding auto scores both roundings on the dataset's eval "
+                             "blocks, and this dataset has none: make it with eval blocks "
+                             "(voodoo data --n_eval_blocks N), or pass --rounding gptq or ggml")
+        inputs = {"model": self.model_id(), "tokens": tokens_sha256(held)}
+        with self.timer("held-out Hessians"):
+            heldout = ensure_hessians(self.ctx, self.out / "hessians-heldout.npz", held, inputs)
+        with self.timer("rounding choice"):
+            self.feedback = choose_rounding(
+                self.ctx, menus, self.im, self.cache, self.hessians, heldout,
+                precache=_precache_fn(self.a), path=self.out / "rounding.json",
+                heldout_id=json.dumps(inputs, sort_keys=True),
+                head=(head_tensor(self.ctx), lambda: head_inputs(self.ctx, held)))
+        return self.feedback
 
     def input_hessians(self):
         """``--rounding gptq``: the input Hessians (``<output_dir>/hessians.npz``), made from
@@ -714,10 +744,12 @@ class Run:
             self.table = bytes_table(self.ctx.specs, self.menus)
             check_reachable(self.budget, self.table, self.ctx.shapes)
         self.cache = _cache(a)
+        feedback = self.feedback_for(self.menus)
         with self.timer("candidates (libggml)"):
             self.keys = ensure_candidates(self.ctx, self.menus, self.im, self.cache,
                                           _precache_fn(a),
-                                          hessians=getattr(self, "hessians", None))
+                                          hessians=getattr(self, "hessians", None),
+                                          feedback=feedback)
         return self.keys
 
     def imatrix_safe(self, menus, say: bool = False):
@@ -779,6 +811,7 @@ class Run:
             teacher_checkpoint=a.teacher_checkpoint, dtype=a.dtype, budget=int(self.budget),
             hessians=(str((self.out / "hessians.npz").resolve())
                       if getattr(self, "hessians", None) is not None else None),
+            feedback=getattr(self, "feedback", None),
             lazy=a.lazy)
 
     def training_inputs(self) -> dict:
@@ -1342,7 +1375,8 @@ def _export(argv):
     menus = {n: [v["type"]] for n, v in asg["tensors"].items()}
     r.cache = _cache(a)
     keys = ensure_candidates(r.ctx, menus, r.im, r.cache, _precache_fn(a),
-                             hessians=getattr(r, "hessians", None))
+                             hessians=getattr(r, "hessians", None),
+                             feedback=r.feedback_for(menus))
     stem = a.output_name or Path(a.assignment).name.removesuffix(".assignment.json")
     p = export(r.ctx, asg, keys, r.cache, r.out / f"{stem}.gguf",
                extra_kv=_provenance(a, asg, r.ctx.prepared))
@@ -1451,7 +1485,8 @@ def _eval_torch(a) -> dict:
                          f"{len(missing) - 1} more): was it made for another model?")
     r.cache = _cache(a)
     keys = ensure_candidates(r.ctx, menus, r.im, r.cache, _precache_fn(a),
-                             hessians=getattr(r, "hessians", None))
+                             hessians=getattr(r, "hessians", None),
+                             feedback=r.feedback_for(menus))
     teacher = build_teacher(r.ctx, a.teacher_quant)
     mixed = build_student(r.ctx, menus, keys, r.cache)
     assign_student(mixed, asg)

@@ -33,6 +33,7 @@ from __future__ import annotations
 import os
 import struct
 import tempfile
+import weakref
 from pathlib import Path
 from typing import Mapping, Sequence
 
@@ -132,20 +133,24 @@ def compute_hessians(model: torch.nn.Module, blocks: torch.Tensor,
     modules = dict(model.named_modules())
     acc: dict[str, torch.Tensor] = {}
     alias: dict[str, str] = {}
-    seen_in_step: dict[tuple, str] = {}
+    # inputs seen in this forward, held weakly: sharing means the very same live tensor object
+    # (q/k/v of one layer). An address would not do: a freed input's memory is reused by a
+    # later layer's input of the same shape, which then aliased every later q/k/v (and the
+    # head) to one early layer's Hessian.
+    seen_in_step: list[tuple[weakref.ref, str]] = []
     counts: dict[str, int] = {}
     handles = []
 
     def make_hook(gname: str, n_in: int):
         def hook(_mod, args):
-            x = args[0].detach()
-            sig = (x.data_ptr(), tuple(x.shape), x.dtype)
+            x = args[0]
             if gname not in alias:  # first call: does it share another module's input?
-                owner = seen_in_step.get(sig)
+                owner = next((g for r, g in seen_in_step if r() is x), None)
                 alias[gname] = owner if owner is not None else gname
             if alias[gname] != gname:
                 return
-            seen_in_step[sig] = gname
+            seen_in_step.append((weakref.ref(x), gname))
+            x = x.detach()
             x = x.reshape(-1, n_in).to(torch.float32)
             acc.setdefault(gname, torch.zeros(n_in, n_in, dtype=torch.float64))
             acc[gname] += (x.T @ x).to(torch.float64)

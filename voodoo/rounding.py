@@ -33,7 +33,7 @@ import ctypes
 import numpy as np
 
 __all__ = ["inverse_hessian_cholesky", "gptq_blocks", "gptq_columns", "quantize_feedback",
-           "proxy_error", "validate_rows", "COLUMN_TYPES"]
+           "proxy_error", "logit_kl", "validate_rows", "COLUMN_TYPES"]
 
 #: kvalues_iq4nl (ggml-common.h)
 _IQ4NL = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113],
@@ -238,6 +238,30 @@ def proxy_error(w: np.ndarray, deq: np.ndarray, h: np.ndarray) -> float:
     """``tr(E H E^T)`` with ``E = w - deq`` (float64)."""
     e = np.asarray(w, dtype=np.float64) - np.asarray(deq, dtype=np.float64)
     return float(np.einsum("ij,ij->", e @ np.asarray(h, dtype=np.float64), e))
+
+
+def logit_kl(w: np.ndarray, deq: np.ndarray, x: np.ndarray, chunk: int = 512) -> float:
+    """The second-order KL (nats/token) of an output head's error alone: the mean over tokens of
+    ``1/2 * (sum_v p_v e_v^2 - (sum_v p_v e_v)^2)``, with logits ``x w^T``, ``p`` their softmax
+    and ``e = x (deq - w)^T`` the logit error (the softmax's Fisher, exact to second order in
+    ``e``; a final logit softcap or scale is not modelled).
+
+    Args: ``w``, ``deq``: (n_vocab, n_per_row) float32, the head's weights and a candidate's
+    dequantized weights; ``x``: (n_tokens, n_per_row) float32, the head's inputs (final hidden
+    states). Unlike :func:`proxy_error` it weighs each vocabulary row by how likely its token
+    is, which is what the KL sees of the head."""
+    import torch
+    wt = torch.from_numpy(np.array(w, dtype=np.float32))  # copies: w may be a read-only mmap
+    et = torch.from_numpy(np.array(deq, dtype=np.float32)) - wt
+    xt = torch.from_numpy(np.array(x, dtype=np.float32))
+    total = 0.0
+    for i in range(0, xt.shape[0], chunk):
+        xb = xt[i:i + chunk]
+        p = torch.softmax(xb @ wt.T, dim=-1)
+        e = xb @ et.T
+        pe = (p * e).sum(-1, dtype=torch.float64)
+        total += float((0.5 * ((p * e * e).sum(-1, dtype=torch.float64) - pe * pe)).sum())
+    return total / max(1, xt.shape[0])
 
 
 def validate_rows(data: np.ndarray, qtype) -> bool:
