@@ -368,8 +368,9 @@ def ensure_hessians(ctx: Context, path, blocks: torch.Tensor | None = None,
     Raises ValueError when the file is missing or stale and no ``blocks`` are given."""
     from .imatrix import compute_hessians
     path = Path(path)
-    # version 2: a tied embedding's head Hessian included
-    want = json.dumps({**(inputs or {}), "hessians_version": 2}, sort_keys=True)
+    # version 2: a tied embedding's head Hessian included; 3: inputs shared by identity, not
+    # by address (older files gave later layers an early layer's Hessian)
+    want = json.dumps({**(inputs or {}), "hessians_version": 3}, sort_keys=True)
     if path.is_file():
         got = load_hessians(path, want)
         if got is not None:
