@@ -171,8 +171,22 @@ def test_auto_rounding_keeps_the_better_bytes_per_pair(tiny_fixed, tmp_path):
         assert np.array_equal(np.asarray(g[name].data).reshape(-1), q.reshape(-1)), name
         checked += 1
     assert checked >= 4
+    # the assignment carries the choices the gates trained on
+    saved = asg["rounding_feedback"]
+    assert saved == {n: sorted(t for t, e in pt.items() if e["choice"] == "feedback")
+                     for n, pt in sorted(table.items())
+                     if any(e["choice"] == "feedback" for e in pt.values())}
+    assert asg["provenance"]["rounding"] == "auto" and asg["provenance"]["rounding_feedback"]
     # asked for explicitly: the very same file
     rc, _, err = run_cli(["export", *args, "--output_dir", str(out), "--rounding", "auto",
                           "--assignment", str(out / "a.assignment.json"), "--output_name", "b"])
     assert rc == 0, err[-3000:]
     assert (out / "b.gguf").read_bytes() == (out / "a.gguf").read_bytes()
+    # with none of the run's data flags (export takes the run's own data): the same file, even
+    # with the held-out choices file gone
+    (out / "rounding.json").unlink()
+    rc, _, err = run_cli(["export", "--model", str(tiny_fixed), "--no_ray", "--output_dir",
+                          str(out), "--assignment", str(out / "a.assignment.json"),
+                          "--output_name", "c"])
+    assert rc == 0, err[-3000:]
+    assert (out / "c.gguf").read_bytes() == (out / "a.gguf").read_bytes()

@@ -692,10 +692,15 @@ class Run:
     def feedback_for(self, menus):
         """``--rounding auto``: the (tensor, type) pairs of ``menus`` whose error-feedback bytes
         beat llama-quantize's on held-out calibration blocks (:func:`voodoo.pipeline.
-        choose_rounding`, choices kept in ``<output_dir>/rounding.json``); None otherwise.
+        choose_rounding`, choices kept in ``<output_dir>/rounding.json``), or the choices an
+        assignment was trained with (``saved_feedback``: export, eval); None otherwise.
         Raises UsageError when the dataset has no eval blocks to hold out."""
         if getattr(self.a, "rounding", None) != "auto":
             return None
+        saved = getattr(self, "saved_feedback", None)
+        if saved is not None:  # export/eval of an --rounding auto assignment: its own choices
+            self.feedback = {k: list(v) for k, v in saved.items()}
+            return self.feedback
         from .pipeline import choose_rounding, ensure_hessians, head_inputs, head_tensor
         from .provenance import tokens_sha256
         if getattr(self, "eval_blocks", None) is None:
@@ -705,15 +710,20 @@ class Run:
             raise UsageError("--rounding auto scores both roundings on the dataset's eval "
                              "blocks, and this dataset has none: make it with eval blocks "
                              "(voodoo data --n_eval_blocks N), or pass --rounding gptq or ggml")
-        inputs = {"model": self.model_id(), "tokens": tokens_sha256(held)}
+        # what the choices were scored with: the held-out tokens, the Hessians' version and
+        # the head's token count (voodoo.pipeline.head_inputs)
+        inputs = {"model": self.model_id(), "tokens": tokens_sha256(held),
+                  "hessians_version": 3, "head_tokens": 4096}
         with self.timer("held-out Hessians"):
-            heldout = ensure_hessians(self.ctx, self.out / "hessians-heldout.npz", held, inputs)
+            heldout = ensure_hessians(self.ctx, self.out / "hessians-heldout.npz", held,
+                                      {"model": inputs["model"], "tokens": inputs["tokens"]})
         with self.timer("rounding choice"):
             self.feedback = choose_rounding(
                 self.ctx, menus, self.im, self.cache, self.hessians, heldout,
                 precache=_precache_fn(self.a), path=self.out / "rounding.json",
                 heldout_id=json.dumps(inputs, sort_keys=True),
-                head=(head_tensor(self.ctx), lambda: head_inputs(self.ctx, held)))
+                head=(head_tensor(self.ctx),
+                      lambda: head_inputs(self.ctx, held, max_tokens=inputs["head_tokens"])))
         return self.feedback
 
     def input_hessians(self):
@@ -833,6 +843,9 @@ class Run:
         if (getattr(self.a, "rounding", None) or "ggml") != "ggml":
             inputs["rounding"] = self.a.rounding
             inputs["hessian_blocks"] = int(getattr(self.a, "hessian_blocks", None) or 64)
+        if getattr(self, "feedback", None) is not None:  # --rounding auto: which bytes
+            inputs["rounding_feedback"] = hashlib.sha256(json.dumps(
+                {k: sorted(v) for k, v in sorted(self.feedback.items())}).encode()).hexdigest()
         return inputs
 
     def check_training_state(self, artifact: str, what: str, record_it: bool = True) -> None:
@@ -1033,6 +1046,11 @@ class Run:
                 if Path(_model_arg(a)).exists() else _model_arg(a)
             self.assignment["llama_cpp_commit"] = llama_cpp_commit()
             self.assignment["provenance"] = self.training_inputs()
+            if getattr(self, "feedback", None) is not None:
+                # --rounding auto: the (tensor, type) pairs whose error-feedback bytes the gates
+                # trained on; export and eval write exactly these, never a recomputed choice
+                self.assignment["rounding_feedback"] = {
+                    k: sorted(v) for k, v in sorted(self.feedback.items())}
             write_json(self.out / f"{self.stem}.assignment.json", self.assignment)
             import torch
             torch.save({k: v.detach().cpu() for k, v in gates.items()},
@@ -1294,12 +1312,17 @@ def _data_of_run(a) -> None:
             setattr(a, flag, meta[key])
 
 
-def _use_assignment_rounding(a, asg) -> None:
+def _use_assignment_rounding(a, asg, r=None) -> None:
     """export/eval ``--assignment A``: the candidates' rounding (and Hessian blocks) A's gates
     were trained with, unless given. A different ``--rounding`` given explicitly is honoured
-    with one line saying so: the same types, but other bytes than the gates chose between."""
+    with one line saying so: the same types, but other bytes than the gates chose between.
+    An ``auto`` assignment's own per-tensor choices (``rounding_feedback``) go to the run
+    ``r``, so the export writes the very bytes the gates trained on."""
     prov = asg.get("provenance") or {}
     made = prov.get("rounding", "ggml")
+    if r is not None and made == "auto" and a.rounding in (None, "auto") and \
+            asg.get("rounding_feedback") is not None:
+        r.saved_feedback = asg["rounding_feedback"]
     if a.rounding is not None and a.rounding != made:
         from .pipeline import log
         log(f"{Path(a.assignment).name} was trained on --rounding {made} candidates; its types "
@@ -1351,9 +1374,15 @@ def _export(argv):
     ap.add_argument("--assignment", required=True, help="<name>.assignment.json from train")
     ap.add_argument("--output_name", default=None,
                     help="file stem (default: the assignment's, <Model>.VoodooNN_<badge>)")
+    data_defaults = {k: ap.get_default(k) for k in _DATA_KEYS}
+    ap.set_defaults(**{k: None for k in _DATA_KEYS})  # None: not given, the run's own
     a = ap.parse_args(argv)
     from .pipeline import ensure_candidates, export
     _assignment_run_folder(a)
+    _data_of_run(a)
+    for k, v in data_defaults.items():
+        if getattr(a, k) is None:
+            setattr(a, k, v)
     r = Run(a)
     r.context()
     asg = json.loads(Path(a.assignment).read_text())
@@ -1363,7 +1392,7 @@ def _export(argv):
         raise ProvenanceError(f"{a.assignment} was made for {_short(made_from)}, not for "
                               f"{_short(r.model_id())}; pass --model with the model it was "
                               "made for, or train one for this model")
-    _use_assignment_rounding(a, asg)
+    _use_assignment_rounding(a, asg, r)
     _use_assignment_imatrix(a, asg, r)
     if a.imatrix is None and (not (r.out / "imatrix.gguf").is_file() or r.stale_imatrix()):
         r.data()
@@ -1474,7 +1503,7 @@ def _eval_torch(a) -> dict:
     r = Run(a)
     r.context()
     r.data()
-    _use_assignment_rounding(a, asg)
+    _use_assignment_rounding(a, asg, r)
     _use_assignment_imatrix(a, asg, r)
     r.imatrix()
     _check_assignment_imatrix(a, asg, r)

@@ -536,7 +536,7 @@ def choose_rounding(ctx: Context, menus, imatrix, cache: CandidateCache, hessian
             if kind == "logit_kl":
                 if callable(head_x):
                     head_x = head_x()
-                eg, ef = logit_kl(w, dg, head_x), logit_kl(w, df, head_x)
+                eg, ef = logit_kl(w, [dg, df], head_x)
             else:
                 eg, ef = proxy_error(w, dg, hh), proxy_error(w, df, hh)
             table.setdefault(n, {})[t] = {"ggml": eg, "feedback": ef, "proxy": kind,
@@ -820,7 +820,7 @@ def export(ctx: Context, assignment, keys, cache: CandidateCache, out_path,
                                 base_gguf=ctx.prepared.base_gguf)
     if own:
         log(f"{len(own)} of {len(assignment['tensors'])} tensors hold error-feedback rounded "
-            f"bytes (--rounding gptq: same types and sizes, not llama-quantize's bytes); "
+            f"bytes (error-feedback rounding: same types and sizes, not llama-quantize's bytes); "
             f"llama-quantize --tensor-type-file {tt.name} reproduces the other "
             f"{len(assignment['tensors']) - len(own)} exactly")
     return p

@@ -240,28 +240,43 @@ def proxy_error(w: np.ndarray, deq: np.ndarray, h: np.ndarray) -> float:
     return float(np.einsum("ij,ij->", e @ np.asarray(h, dtype=np.float64), e))
 
 
-def logit_kl(w: np.ndarray, deq: np.ndarray, x: np.ndarray, chunk: int = 512) -> float:
+def logit_kl(w: np.ndarray, deq, x: np.ndarray, chunk: int = 512):
     """The second-order KL (nats/token) of an output head's error alone: the mean over tokens of
-    ``1/2 * (sum_v p_v e_v^2 - (sum_v p_v e_v)^2)``, with logits ``x w^T``, ``p`` their softmax
-    and ``e = x (deq - w)^T`` the logit error (the softmax's Fisher, exact to second order in
-    ``e``; a final logit softcap or scale is not modelled).
+    ``1/2 * (sum_v p_v e_v^2 - (sum_v p_v e_v)^2)``, with logits ``z = x w^T``, ``p`` their
+    softmax and ``e = x deq^T - z`` the logit error (the softmax's Fisher, exact to second order
+    in ``e``; a final logit softcap or scale is not modelled).
 
-    Args: ``w``, ``deq``: (n_vocab, n_per_row) float32, the head's weights and a candidate's
-    dequantized weights; ``x``: (n_tokens, n_per_row) float32, the head's inputs (final hidden
-    states). Unlike :func:`proxy_error` it weighs each vocabulary row by how likely its token
-    is, which is what the KL sees of the head."""
+    Args: ``w``: (n_vocab, n_per_row) float32, the head's weights; ``deq``: a candidate's
+    dequantized weights of the same shape, or a list of them (scored in one pass over the
+    tokens, sharing ``p``); ``x``: (n_tokens, n_per_row) float32, the head's inputs (final
+    hidden states). Returns a float, or a list of floats for a list. Memory: the arrays are
+    used in place, plus ``chunk x n_vocab`` floats per candidate. Unlike :func:`proxy_error`
+    it weighs each vocabulary row by how likely its token is, which is what the KL sees of the
+    head."""
+    import warnings
+
     import torch
-    wt = torch.from_numpy(np.array(w, dtype=np.float32))  # copies: w may be a read-only mmap
-    et = torch.from_numpy(np.array(deq, dtype=np.float32)) - wt
-    xt = torch.from_numpy(np.array(x, dtype=np.float32))
-    total = 0.0
+    one = not isinstance(deq, (list, tuple))
+    deqs = [deq] if one else list(deq)
+
+    def t(a):
+        a = np.asarray(a, dtype=np.float32)
+        with warnings.catch_warnings():  # read-only memory maps: only read here
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.from_numpy(np.ascontiguousarray(a))
+    wt, xt = t(w), t(x)
+    dts = [t(d) for d in deqs]
+    totals = [0.0] * len(dts)
     for i in range(0, xt.shape[0], chunk):
         xb = xt[i:i + chunk]
-        p = torch.softmax(xb @ wt.T, dim=-1)
-        e = xb @ et.T
-        pe = (p * e).sum(-1, dtype=torch.float64)
-        total += float((0.5 * ((p * e * e).sum(-1, dtype=torch.float64) - pe * pe)).sum())
-    return total / max(1, xt.shape[0])
+        z = xb @ wt.T
+        p = torch.softmax(z, dim=-1)
+        for k, dt in enumerate(dts):
+            e = xb @ dt.T - z
+            pe = (p * e).sum(-1, dtype=torch.float64)
+            totals[k] += float((0.5 * ((p * e * e).sum(-1, dtype=torch.float64) - pe * pe)).sum())
+    out = [v / max(1, xt.shape[0]) for v in totals]
+    return out[0] if one else out
 
 
 def validate_rows(data: np.ndarray, qtype) -> bool:
