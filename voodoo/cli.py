@@ -717,6 +717,7 @@ class Run:
         with self.timer("held-out Hessians"):
             heldout = ensure_hessians(self.ctx, self.out / "hessians-heldout.npz", held,
                                       {"model": inputs["model"], "tokens": inputs["tokens"]})
+        self.heldout_hessians = heldout  # also the Fisher prior's input correlation
         with self.timer("rounding choice"):
             self.feedback = choose_rounding(
                 self.ctx, menus, self.im, self.cache, self.hessians, heldout,
@@ -983,11 +984,17 @@ class Run:
             print(f"note: --fisher_blocks {cfg.fisher_blocks} but the dataset has "
                   f"{len(self.train_blocks)} train blocks; the Fisher uses all "
                   f"{len(self.train_blocks)}", file=sys.stderr)
+        # error-feedback candidates: score them with their input correlation (held-out blocks
+        # under --rounding auto, which has them; the fitting blocks under --rounding gptq)
+        hs = getattr(self, "heldout_hessians", None)
+        if hs is None:
+            hs = getattr(self, "hessians", None)
         with self.timer("fisher"):
             return fisher_prior(self.ctx, teacher, self.menus, self.keys, self.cache,
                                 self.train_blocks[: cfg.fisher_blocks], int(self.budget),
                                 strength=cfg.gate_init_strength, seed=cfg.seed,
-                                report_path=self.out / "train" / "sensitivity.json")
+                                report_path=self.out / "train" / "sensitivity.json",
+                                hessians=hs)
 
     def train_ray(self, cfg):
         """Gate training under Ray Train (:func:`cluster.train.run_training`) with

@@ -724,8 +724,8 @@ def _weights_fingerprint(model: torch.nn.Module, tmap: TensorMap) -> str:
 
 def fisher_prior(ctx: Context, teacher: torch.nn.Module, menus, keys, cache: CandidateCache,
                  blocks: torch.Tensor, budget: int, *, strength: float = 2.0, seed: int = 0,
-                 fisher_cache_dir=None, report_path=None, progress: bool = True
-                 ) -> dict[str, torch.Tensor]:
+                 fisher_cache_dir=None, report_path=None, progress: bool = True,
+                 hessians=None) -> dict[str, torch.Tensor]:
     """The ``--gate_init fisher`` starting logits (:mod:`voodoo.sensitivity`).
 
     The Fisher diagonal is computed on ``teacher`` (an ordinary HF model; call before
@@ -733,13 +733,17 @@ def fisher_prior(ctx: Context, teacher: torch.nn.Module, menus, keys, cache: Can
     calibration tokens and cached in ``fisher_cache_dir`` (default
     ``~/.cache/voodoo/fisher``, keyed by the teacher's weights, the tokens and ``seed``). Each
     candidate's predicted KL ``D[t, k]`` (nats/token) uses the candidates exactly as llama.cpp
-    dequantizes them (from ``cache``) against the teacher's weights. ``report_path``: where to
+    dequantizes them (from ``cache``) against the teacher's weights; a tensor with an input
+    Hessian in ``hessians`` (gguf_name -> (n_per_row, n_per_row), :func:`ensure_hessians`)
+    is scored with the input correlation put back
+    (:func:`voodoo.sensitivity.correlated_distortion`), which error-feedback candidates need.
+    ``report_path``: where to
     write ``{"mu_nats_per_byte", "choice_bytes", "predicted_kl", "lagrangian_bytes",
     "lagrangian_predicted_kl", "tensors": {name: {"menu", "bytes", "dkl", "choice"}}, ...}``
     (JSON, atomic). Returns gguf_name -> (K,) float32 logits, menu order."""
     from .llamacpp import cache_root
-    from .sensitivity import (distortion_table, fisher_gate_logits, lagrangian_choice,
-                              load_or_compute_fisher)
+    from .sensitivity import (correlated_distortion, distortion_table, fisher_gate_logits,
+                              lagrangian_choice, load_or_compute_fisher)
     root = Path(fisher_cache_dir) if fisher_cache_dir else cache_root() / "fisher"
     from types import SimpleNamespace
     pspecs = [SimpleNamespace(gguf_name=p, param=p) for p in sorted(ctx.tmap.by_param())]
@@ -756,8 +760,11 @@ def fisher_prior(ctx: Context, teacher: torch.nn.Module, menus, keys, cache: Can
             for t in menus[s.gguf_name]])
         ref = ctx.tmap.to_gguf(s.gguf_name, tparams)
         f = ctx.tmap.to_gguf(s.gguf_name, fisher, scale_power=-2)
-        dist.update(distortion_table({s.gguf_name: f}, {s.gguf_name: cands},
-                                     {s.gguf_name: ref}))
+        if hessians is not None and s.gguf_name in hessians:
+            dist[s.gguf_name] = correlated_distortion(f, cands, ref, hessians[s.gguf_name])
+        else:
+            dist.update(distortion_table({s.gguf_name: f}, {s.gguf_name: cands},
+                                         {s.gguf_name: ref}))
     logits = fisher_gate_logits(dist, table, budget, strength)
     if report_path is not None:
         mu, hull = lagrangian_choice(dist, table, budget)
@@ -765,6 +772,8 @@ def fisher_prior(ctx: Context, teacher: torch.nn.Module, menus, keys, cache: Can
         rep = {"mu_nats_per_byte": mu, "budget_bytes": int(budget),
                "fisher_blocks": int(blocks.shape[0]), "tokens_per_block": int(blocks.shape[1]),
                "strength": strength, "seed": seed,
+               "input_correlated": sorted(n for n in dist if hessians is not None
+                                          and n in hessians),
                "choice_bytes": int(sum(table[n][k] for n, k in choice.items())),
                "predicted_kl": sum(dist[n][k] for n, k in choice.items()),
                "lagrangian_bytes": int(sum(table[n][k] for n, k in hull.items())),

@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-__all__ = ["fisher_diagonal", "distortion_table", "lagrangian_choice", "knapsack_choice",
+__all__ = ["fisher_diagonal", "distortion_table", "correlated_distortion", "lagrangian_choice", "knapsack_choice",
            "fisher_gate_logits",
            "load_or_compute_fisher", "gated_specs", "prior_from_student", "FISHER_VERSION"]
 
@@ -148,6 +148,49 @@ def distortion_table(fisher: Mapping[str, torch.Tensor], candidates: Mapping[str
         w = w.to(cand.device, torch.float32)
         out[name] = [0.5 * float((f * (cand[k].float() - w).square()).sum(dtype=torch.float64))
                      for k in range(cand.shape[0])]
+    return out
+
+
+@torch.no_grad()
+def correlated_distortion(fisher: torch.Tensor, candidates: torch.Tensor,
+                          reference: torch.Tensor, hessian) -> list[float]:
+    """``D[k] = 1/2 * sum_r (s_r * e_r) C (s_r * e_r)^T`` in nats per token: the Fisher
+    diagonal's cost with the input correlation put back.
+
+    The Fisher of a matmul ``y = W x`` couples two weights of one row through their inputs,
+    ``F[(r, i), (r, j)] ~ E[g_r^2 x_i x_j]``; with ``s = sqrt(F_diag)`` and ``C`` the input
+    Hessian ``H = E[x x^T]`` scaled to a unit diagonal, ``s_ri s_rj C_ij`` is that entry
+    when ``g_r^2`` and ``x x^T`` are independent, and its diagonal is :func:`distortion_table`'s
+    (so the two agree for errors that are uncorrelated across columns, as llama-quantize's
+    rounding is). Error-feedback (GPTQ) rounding makes the error anti-correlated with the
+    input on purpose; the diagonal charges it for its larger ``sum e^2`` and misses the gain.
+
+    Args:
+        fisher: (n_rows, n_per_row) Fisher diagonal, GGUF layout.
+        candidates: (K, n_rows, n_per_row) dequantized candidates.
+        reference: (n_rows, n_per_row) the weights the KL is measured against.
+        hessian: (n_per_row, n_per_row) input Hessian (numpy or torch); inputs with a zero
+            diagonal (never active) are taken as uncorrelated.
+
+    Returns K floats. Raises ValueError on a shape mismatch."""
+    h = torch.as_tensor(hessian, dtype=torch.float64)
+    n = candidates.shape[-1]
+    if tuple(h.shape) != (n, n) or tuple(fisher.shape) != tuple(candidates.shape[1:]) or \
+            tuple(reference.shape) != tuple(candidates.shape[1:]):
+        raise ValueError(f"Hessian {tuple(h.shape)}, Fisher {tuple(fisher.shape)}, reference "
+                         f"{tuple(reference.shape)} and candidates {tuple(candidates.shape)} "
+                         f"disagree")
+    d = torch.diagonal(h).clamp_min(0)
+    inv = torch.where(d > 0, d.rsqrt(), torch.zeros_like(d))
+    c = h * inv[:, None] * inv[None, :]
+    c.fill_diagonal_(1.0)
+    c = c.float()
+    s = fisher.float().clamp_min(0).sqrt()
+    w = reference.float()
+    out = []
+    for k in range(candidates.shape[0]):
+        se = s * (candidates[k].float() - w)
+        out.append(0.5 * float(((se @ c) * se).sum(dtype=torch.float64)))
     return out
 
 
