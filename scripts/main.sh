@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # The main job (README.md): install, build llama.cpp once (cached), then Voodoo55 on the default
 # model (SmolLM2-135M-Instruct) and corpus, ending with a llama-perplexity table against the
-# stock llama.cpp file types nearest in size. Extra flags go to `voodoo run`.
+# stock llama.cpp file types nearest in size. Candidate bytes: --rounding auto (per tensor and
+# type, llama-quantize's or error-feedback rounding, whichever is better on held-out blocks;
+# docs/method.md), the best measured. Extra flags go to `voodoo run` (later ones win).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
 voodoo doctor || true
-exec voodoo run --compression_ratio 0.55 --output_dir runs/main "$@"
+exec voodoo run --compression_ratio 0.55 --rounding auto --output_dir runs/main "$@"
