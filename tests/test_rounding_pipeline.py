@@ -68,6 +68,11 @@ def test_gptq_run_exports_its_own_bytes(tiny_fixed, tmp_path):
                           "--max_steps", "1", "--output_name", "g", "--rounding", "gptq"])
     assert rc == 0, err[-3000:]
     assert (out / "hessians.npz").is_file()
+    # the Fisher prior scored every tensor with a Hessian by its input correlation
+    import json
+    from voodoo.pipeline import load_hessians
+    sens = json.loads((out / "train" / "sensitivity.json").read_text())
+    assert sens["input_correlated"] == sorted(load_hessians(out / "hessians.npz")), sens.keys()
     asg = out / "g.assignment.json"
     rc, _, err = run_cli(["export", *args, "--output_dir", str(out), "--assignment", str(asg),
                           "--rounding", "gptq"])
@@ -131,6 +136,9 @@ def test_auto_rounding_keeps_the_better_bytes_per_pair(tiny_fixed, tmp_path):
     table = json.loads((out / "rounding.json").read_text())["tensors"]
     fit = load_hessians(out / "hessians.npz")
     held = load_hessians(out / "hessians-heldout.npz")
+    # the prior's input correlation: every tensor with a (held-out) Hessian
+    sens = json.loads((out / "train" / "sensitivity.json").read_text())
+    assert sens["input_correlated"] == sorted(held) and len(held) > 0
     im = read_imatrix(out / "imatrix.gguf")
     w = base_weights(prepare_model(str(tiny_fixed)).base_gguf)
     # the tied embedding is rounded for its output head: that matmul's input Hessian
