@@ -745,6 +745,7 @@ def fisher_prior(ctx: Context, teacher: torch.nn.Module, menus, keys, cache: Can
     from .sensitivity import (correlated_distortion, distortion_table, fisher_gate_logits,
                               lagrangian_choice, load_or_compute_fisher)
     root = Path(fisher_cache_dir) if fisher_cache_dir else cache_root() / "fisher"
+    hessians = hessians or {}
     from types import SimpleNamespace
     pspecs = [SimpleNamespace(gguf_name=p, param=p) for p in sorted(ctx.tmap.by_param())]
     fisher = load_or_compute_fisher(teacher, pspecs, blocks, root,
@@ -760,7 +761,7 @@ def fisher_prior(ctx: Context, teacher: torch.nn.Module, menus, keys, cache: Can
             for t in menus[s.gguf_name]])
         ref = ctx.tmap.to_gguf(s.gguf_name, tparams)
         f = ctx.tmap.to_gguf(s.gguf_name, fisher, scale_power=-2)
-        if hessians is not None and s.gguf_name in hessians:
+        if s.gguf_name in hessians:
             dist[s.gguf_name] = correlated_distortion(f, cands, ref, hessians[s.gguf_name])
         else:
             dist.update(distortion_table({s.gguf_name: f}, {s.gguf_name: cands},
@@ -772,8 +773,7 @@ def fisher_prior(ctx: Context, teacher: torch.nn.Module, menus, keys, cache: Can
         rep = {"mu_nats_per_byte": mu, "budget_bytes": int(budget),
                "fisher_blocks": int(blocks.shape[0]), "tokens_per_block": int(blocks.shape[1]),
                "strength": strength, "seed": seed,
-               "input_correlated": sorted(n for n in dist if hessians is not None
-                                          and n in hessians),
+               "input_correlated": sorted(n for n in dist if n in hessians),
                "choice_bytes": int(sum(table[n][k] for n, k in choice.items())),
                "predicted_kl": sum(dist[n][k] for n, k in choice.items()),
                "lagrangian_bytes": int(sum(table[n][k] for n, k in hull.items())),

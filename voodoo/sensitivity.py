@@ -42,8 +42,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-__all__ = ["fisher_diagonal", "distortion_table", "correlated_distortion", "lagrangian_choice", "knapsack_choice",
-           "fisher_gate_logits",
+__all__ = ["fisher_diagonal", "distortion_table", "correlated_distortion", "lagrangian_choice",
+           "knapsack_choice", "fisher_gate_logits",
            "load_or_compute_fisher", "gated_specs", "prior_from_student", "FISHER_VERSION"]
 
 FISHER_VERSION = 1
