@@ -140,14 +140,14 @@ def test_adapter_permutes_only_q_and_k():
 def test_adapter_matches_llama_cpp_converter(tiny_prepared):
     """The base F32 GGUF written by convert_hf_to_gguf.py holds exactly the HF weights with the
     adapter's permutation, for every selectable tensor."""
-    from gguf import GGUFReader
+    from voodoo.ggufio import read_gguf
     from transformers import AutoConfig, AutoModelForCausalLM
     cfg = AutoConfig.from_pretrained(tiny_prepared.hf_dir)
     model = AutoModelForCausalLM.from_pretrained(tiny_prepared.hf_dir, dtype=torch.float32)
     ad = get_adapter(cfg)
     specs = ad.selectable(model)
     assert [s.gguf_name for s in specs][:2] == ["token_embd.weight", "blk.0.attn_q.weight"]
-    base = {t.name: np.asarray(t.data) for t in GGUFReader(tiny_prepared.base_gguf).tensors}
+    base = {t.name: np.asarray(t.data) for t in read_gguf(tiny_prepared.base_gguf).tensors}
     assert "output.weight" not in base                            # tied
     for s in specs:
         hf = model.get_submodule(s.module_name).weight.detach().numpy()

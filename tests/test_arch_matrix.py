@@ -105,7 +105,7 @@ def _wrong_map(tmap):
 
 @pytest.mark.parametrize("family", FAMILY_LIST)
 def test_family(family, tools_ready, tmp_path):
-    import gguf
+    from voodoo.ggufio import read_gguf
 
     from voodoo.agreement import llama_vs_torch
     from voodoo.candidates import CandidateCache
@@ -118,7 +118,7 @@ def test_family(family, tools_ready, tmp_path):
 
     ctx = load_context(make_tiny(family))
     ctx.extra["pristine"] = copy.deepcopy(ctx.model)
-    base = gguf.GGUFReader(str(ctx.prepared.base_gguf))
+    base = read_gguf(str(ctx.prepared.base_gguf))
     arch = base.fields["general.architecture"].contents()
 
     # (a) every tensor llama-quantize would quantize is selectable
@@ -165,8 +165,8 @@ def test_family(family, tools_ready, tmp_path):
                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                        errors="replace")
     assert r.returncode == 0, r.stdout[-3000:]
-    mine = {t.name: t for t in gguf.GGUFReader(str(out)).tensors}
-    theirs = {t.name: t for t in gguf.GGUFReader(str(ref)).tensors}
+    mine = {t.name: t for t in read_gguf(str(out)).tensors}
+    theirs = {t.name: t for t in read_gguf(str(ref)).tensors}
     types = assignment_types(asg)
     assert len(set(types.values())) > 1
     for name, t in types.items():

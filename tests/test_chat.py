@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from gguf import GGUFReader
+from voodoo.ggufio import read_gguf
 
 import cython_ggml
 from voodoo.llamacpp import LlamaCppNotBuilt, tool_path
@@ -37,7 +37,7 @@ def tiny_voodoo_gguf(tiny_prepared, tmp_path_factory):
     from voodoo import cli
     from voodoo.export import export_gguf
     base = tiny_prepared.base_gguf
-    tensors = {t.name: t for t in GGUFReader(base).tensors}
+    tensors = {t.name: t for t in read_gguf(base).tensors}
     types = {n: "Q8_0" for n, t in tensors.items() if len(t.shape) == 2}
 
     def lookup(name, t):

@@ -151,8 +151,8 @@ def test_float_types_with_subnormals_and_signed_zeros(name, device):
 def smol_tensors(smol_gguf):
     """Real SmolLM2 tensors: token_embd (Q8_0) and ffn_down (Q4_1) bytes as stored, and float
     weights of rows 1536 wide (ffn_down's source) and 576 wide (attn_q's)."""
-    from gguf import GGUFReader
-    r = GGUFReader(str(smol_gguf))
+    from voodoo.ggufio import read_gguf
+    r = read_gguf(str(smol_gguf))
     t = {x.name: x for x in r.tensors}
     emb, down, q = t["token_embd.weight"], t["blk.0.ffn_down.weight"], t["blk.0.attn_q.weight"]
     return {

@@ -53,7 +53,7 @@ def smol_run(smol_gguf, wikitext_test, tmp_path_factory):
 def test_smollm2_every_stage(smol_run):
     """The run wrote every stage's output; llama.cpp loaded the GGUF and measured it against
     the source model: a sane PPL, small KLD, most top tokens kept."""
-    from gguf import GGUFReader
+    from voodoo.ggufio import read_gguf
     out = smol_run["out"]
     for p in (out / "data" / "train.pt", smol_run["imatrix"], out / "train" / "partial.pt",
               smol_run["assignment"], smol_run["gguf"], out / "eval" / "report.json"):
@@ -61,7 +61,7 @@ def test_smollm2_every_stage(smol_run):
     asg = json.loads(smol_run["assignment"].read_text())
     assert len(asg["tensors"]) == 30 * 7 + 1  # tied embeddings: no output.weight
     assert asg["total_bytes"] <= asg["budget_bytes"] * 1.005
-    written = {t.name: int(t.n_bytes) for t in GGUFReader(smol_run["gguf"]).tensors}
+    written = {t.name: int(t.n_bytes) for t in read_gguf(smol_run["gguf"]).tensors}
     assert sum(written[n] for n in asg["tensors"]) == asg["total_bytes"]
     (row,) = json.loads((out / "eval" / "report.json").read_text())
     print(f"\n[SmolLM2 Voodoo60 ctx {CTX} x 2 chunks: PPL {row['ppl']:.3f} (source Q4_1 "
@@ -80,7 +80,7 @@ def test_torch_ppl_matches_llama_perplexity(smol_run, smol_tokenizer, wikitext_t
     the PPL agrees within 2%. (llama.cpp's CPU dot products round activations to 8 bits, so it
     is not exact.)"""
     import torch
-    from gguf import GGUFReader
+    from voodoo.ggufio import read_gguf
 
     from voodoo.candidates import CandidateCache
     from voodoo.evaluate import kld_base
@@ -106,7 +106,7 @@ def test_torch_ppl_matches_llama_perplexity(smol_run, smol_tokenizer, wikitext_t
     assert (n_ctx, n_chunk) == (CTX, 4)
     llama_tokens = np.frombuffer(raw[20:20 + 4 * n_chunk * n_ctx], dtype=np.int32)
 
-    add_bos = bool(GGUFReader(gguf).fields["tokenizer.ggml.add_bos_token"].contents())
+    add_bos = bool(read_gguf(gguf).fields["tokenizer.ggml.add_bos_token"].contents())
     ids = smol_tokenizer(text, add_special_tokens=False)["input_ids"]
     if add_bos:
         ids = [smol_tokenizer.bos_token_id] + ids

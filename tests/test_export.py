@@ -7,7 +7,8 @@ import subprocess
 
 import numpy as np
 import pytest
-from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter, LlamaFileType
+from gguf import GGMLQuantizationType, GGUFWriter, LlamaFileType
+from voodoo.ggufio import read_gguf
 
 import cython_ggml
 from voodoo.export import (ExportError, assignment_types, export_gguf, output_name,
@@ -30,7 +31,7 @@ IMATRIX_COUNT = 7
 
 
 def _base_tensors(path):
-    return {t.name: t for t in GGUFReader(path).tensors}
+    return {t.name: t for t in read_gguf(path).tensors}
 
 
 def _imatrix_sums(base_gguf, names, seed=0):
@@ -125,7 +126,7 @@ def test_export_writes_given_bytes(tiny_prepared, tmp_path):
                       extra_kv={"voodoo.version": "test"})
     assert sorted(calls) == sorted(MIXED.items())
     assert [p.name for p in tmp_path.iterdir()] == ["out.gguf"]      # no temp file left
-    src, got = GGUFReader(base), GGUFReader(out)
+    src, got = read_gguf(base), read_gguf(out)
     assert [t.name for t in got.tensors] == [t.name for t in src.tensors]
     base_t = {t.name: t for t in src.tensors}
     lookup = _lookup_from(base, rows)
@@ -211,8 +212,8 @@ def test_export_matches_llama_quantize_and_loads(tiny_prepared, tmp_path):
     tt = write_tensor_type_file(MIXED, tmp_path / "tensor_types.txt", base_gguf=base)
     theirs = quantize_with_llama(base, tmp_path / "theirs.gguf", tt, imatrix, "Q8_0",
                                  n_threads=2)
-    a = {t.name: t for t in GGUFReader(ours).tensors}
-    b = {t.name: t for t in GGUFReader(theirs).tensors}
+    a = {t.name: t for t in read_gguf(ours).tensors}
+    b = {t.name: t for t in read_gguf(theirs).tensors}
     assert sorted(a) == sorted(b)
     for n in a:
         assert a[n].tensor_type == b[n].tensor_type, n

@@ -51,7 +51,7 @@ def wide_model(tmp_path_factory):
 
 
 def test_run_keeps_the_tensor_in_bf16(wide_model, tmp_path):
-    from gguf import GGUFReader
+    from voodoo.ggufio import read_gguf
 
     from voodoo.export import quantize_with_llama
     from voodoo.models import prepare_model
@@ -73,8 +73,8 @@ def test_run_keeps_the_tensor_in_bf16(wide_model, tmp_path):
     base = prepare_model(wide_model).base_gguf
     ref = quantize_with_llama(base, tmp_path / "ref.gguf", tensor_type_file=tt,
                               imatrix_file=out / "imatrix.gguf", default_type="Q8_0")
-    mine = {t.name: t for t in GGUFReader(str(gguf)).tensors}
-    theirs = {t.name: t for t in GGUFReader(str(ref)).tensors}
+    mine = {t.name: t for t in read_gguf(str(gguf)).tensors}
+    theirs = {t.name: t for t in read_gguf(str(ref)).tensors}
     assert mine[NAME].tensor_type.name == theirs[NAME].tensor_type.name == "BF16"
     assert np.asarray(mine[NAME].data).tobytes() == np.asarray(theirs[NAME].data).tobytes()
     for n, t in mine.items():  # the whole file, as test_pipeline checks it

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from voodoo import imatrix as vi
+from voodoo.ggufio import read_gguf
 from voodoo.llamacpp import LlamaCppNotBuilt, tool_path
 
 
@@ -48,8 +49,7 @@ def test_gguf_round_trip(tmp_path):
     np.testing.assert_array_equal(moe[0], sums["blk.0.ffn_up_exps.weight"][0] / np.float32(7))
     np.testing.assert_array_equal(moe[1], np.ones(64, np.float32))
     # as llama-imatrix writes it: no general.architecture, general.type = imatrix
-    import gguf
-    fields = gguf.GGUFReader(p).fields
+    fields = read_gguf(p).fields
     assert "general.architecture" not in fields
     assert fields["general.type"].contents() == "imatrix"
     assert vi.read_imatrix(p).keys() == vi.imatrix_from_sums(sums, counts).keys()
@@ -182,7 +182,7 @@ def test_llama_quantize_accepts_voodoo_imatrix(tmp_path):
         r = quantize(im, tmp_path / f"q{i}.gguf")
         assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
         assert "loaded 7 importance matrix entries" in r.stdout + r.stderr
-        t = {x.name: x for x in gguf.GGUFReader(tmp_path / f"q{i}.gguf").tensors}
+        t = {x.name: x for x in read_gguf(tmp_path / f"q{i}.gguf").tensors}
         assert t["blk.0.ffn_down.weight"].tensor_type == gguf.GGMLQuantizationType.IQ2_XXS
         outs.append(bytes(t["blk.0.ffn_down.weight"].data))
     assert outs[0] != outs[1]

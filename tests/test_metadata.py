@@ -9,7 +9,8 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from gguf import GGUFReader, LlamaFileType
+from gguf import LlamaFileType
+from voodoo.ggufio import read_gguf
 
 import cython_ggml
 from voodoo.export import (badge_file_type, export_gguf, find_model, find_reference,
@@ -38,7 +39,7 @@ def test_model_id_round_trip():
 
 
 def _q(base, name, t):
-    tensors = {x.name: x for x in GGUFReader(base).tensors}
+    tensors = {x.name: x for x in read_gguf(base).tensors}
     w = np.ascontiguousarray(np.asarray(tensors[name].data, dtype=np.float32))
     return cython_ggml.quantize(w, t, None, tensor_name=name)
 
@@ -48,7 +49,7 @@ def test_file_type_is_the_name_badge(tiny_prepared, tmp_path, mix):
     """The stem as the CLI makes it (bpw of the selectable tensors -> badge) and the file's
     general.file_type name the same llama.cpp file type."""
     base = tiny_prepared.base_gguf
-    mats = [t for t in GGUFReader(base).tensors if len(t.shape) == 2]
+    mats = [t for t in read_gguf(base).tensors if len(t.shape) == 2]
     types = {t.name: ("Q8_0" if mix == "Q8_0" or i % 2 else "Q4_K") for i, t in
              enumerate(mats)}
     n = sum(int(t.shape[0]) * int(t.shape[1]) for t in mats)
@@ -57,7 +58,7 @@ def test_file_type_is_the_name_badge(tiny_prepared, tmp_path, mix):
     name = output_name(tiny_prepared.name, 55, bpw)
     badge = name.removesuffix(".gguf").rsplit(".Voodoo55_", 1)[1]
     out = export_gguf(base, types, lambda nm, t: _q(base, nm, t), tmp_path / name)
-    ft = GGUFReader(out).fields["general.file_type"].contents()
+    ft = read_gguf(out).fields["general.file_type"].contents()
     assert LlamaFileType(ft).name == "MOSTLY_" + badge
     assert badge == nearest_ftype(bpw) == ("Q8_0" if mix == "Q8_0" else "Q4_K_S")
 
@@ -81,7 +82,7 @@ def test_voodoo_model_is_name_and_hash(tiny_prepared, tmp_path, monkeypatch):
     out = export_gguf(base, {"blk.0.attn_q.weight": "Q8_0"},
                       lambda nm, t: _q(base, nm, t), tmp_path / "m.gguf", extra_kv=kv)
     assert gguf_model_id(out) == value
-    for k, v in GGUFReader(out).fields.items():
+    for k, v in read_gguf(out).fields.items():
         if k.startswith("voodoo."):
             assert str(tmp_path) not in str(v.contents()), k
     # `voodoo eval --gguf` without --model: the recorded model

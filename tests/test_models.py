@@ -6,7 +6,8 @@ import json
 
 import numpy as np
 import pytest
-from gguf import GGMLQuantizationType, GGUFReader, LlamaFileType
+from gguf import GGMLQuantizationType, LlamaFileType
+from voodoo.ggufio import read_gguf
 from gguf.quants import dequantize
 
 import cython_ggml
@@ -24,7 +25,7 @@ TINY_Q = {"token_embd.weight": "Q8_0", "blk.0.attn_q.weight": "Q4_1", "blk.0.att
 
 @pytest.fixture(scope="module")
 def tiny_quant_gguf(tiny_prepared, tmp_path_factory):
-    base = {t.name: t for t in GGUFReader(tiny_prepared.base_gguf).tensors}
+    base = {t.name: t for t in read_gguf(tiny_prepared.base_gguf).tensors}
 
     def lookup(name, t):
         return cython_ggml.quantize(np.ascontiguousarray(base[name].data), t, tensor_name=name)
@@ -86,7 +87,7 @@ def test_prepare_hf_folder(tiny_prepared, tiny_model_dir):
     assert isinstance(p, PreparedModel) and p.source == "hf"
     assert p.hf_dir == tiny_model_dir.resolve() and p.reference_gguf == p.base_gguf
     assert p.name == "tiny-llama"
-    r = GGUFReader(p.base_gguf)
+    r = read_gguf(p.base_gguf)
     assert len(r.tensors) == 1 + 9 * 2 + 1                    # embd, 2x(7 + 2 norms), out norm
     assert all(t.tensor_type == GGMLQuantizationType.F32 for t in r.tensors)
     assert r.fields["tokenizer.ggml.pre"].contents() == "smollm"
@@ -114,7 +115,7 @@ def test_make_tiny_model_is_deterministic(tiny_model_dir, tmp_path):
 def test_gguf_to_f32(tiny_quant_gguf, tmp_path):
     out = gguf_to_f32(tiny_quant_gguf, tmp_path / "f32.gguf")
     assert [p.name for p in tmp_path.iterdir()] == ["f32.gguf"]
-    src, got = GGUFReader(tiny_quant_gguf), GGUFReader(out)
+    src, got = read_gguf(tiny_quant_gguf), read_gguf(out)
     assert [t.name for t in got.tensors] == [t.name for t in src.tensors]
     for s, g in zip(src.tensors, got.tensors):
         assert g.tensor_type == GGMLQuantizationType.F32
@@ -133,7 +134,7 @@ def test_prepare_gguf_input(tiny_quant_gguf, tmp_path):
     p = prepare_model(tiny_quant_gguf, work_dir=tmp_path)
     assert p.source == "gguf" and p.reference_gguf == tiny_quant_gguf
     assert p.name == "tiny-llama" and p.base_gguf.parent == tmp_path
-    base = {t.name: np.asarray(t.data) for t in GGUFReader(p.base_gguf).tensors}
+    base = {t.name: np.asarray(t.data) for t in read_gguf(p.base_gguf).tensors}
     model = load_hf_model(p)
     ad = get_adapter(model.config)
     # transformers' GGUF loader un-permutes Q/K: the HF weights are the base's rows in HF order
@@ -160,8 +161,8 @@ def test_default_model_fetch(tmp_path, monkeypatch):
 def test_prepare_real_gguf(smol_gguf, tmp_path):
     p = prepare_model(smol_gguf, work_dir=tmp_path)
     assert p.name == "SmolLM2-135M-Instruct"
-    r = GGUFReader(p.base_gguf)
-    src = {t.name: t for t in GGUFReader(smol_gguf).tensors}
+    r = read_gguf(p.base_gguf)
+    src = {t.name: t for t in read_gguf(smol_gguf).tensors}
     assert len(r.tensors) == len(src) == 272
     t = next(t for t in r.tensors if t.name == "blk.0.attn_k.weight")
     s = src["blk.0.attn_k.weight"]

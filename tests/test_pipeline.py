@@ -26,7 +26,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from gguf import GGMLQuantizationType, GGUFReader
+from gguf import GGMLQuantizationType
+from voodoo.ggufio import read_gguf
 
 from voodoo import cli
 from voodoo.llamacpp import LlamaCppNotBuilt, cache_root, source_dir, tool_path
@@ -122,8 +123,8 @@ def test_export_matches_llama_quantize(tiny_run, tmp_path):
     ref = quantize_with_llama(tiny_run["base"], tmp_path / "llama-quantize.gguf",
                               tensor_type_file=tiny_run["types"],
                               imatrix_file=tiny_run["imatrix"], default_type="Q8_0")
-    ours = {t.name: t for t in GGUFReader(tiny_run["gguf"]).tensors}
-    theirs = {t.name: t for t in GGUFReader(ref).tensors}
+    ours = {t.name: t for t in read_gguf(tiny_run["gguf"]).tensors}
+    theirs = {t.name: t for t in read_gguf(ref).tensors}
     assert sorted(ours) == sorted(theirs)  # llama-quantize writes them in its own order
     asg = json.loads(tiny_run["assignment"].read_text())["tensors"]
     for name, t in ours.items():
@@ -142,7 +143,7 @@ def test_sizes_predicted_equal_written(tiny_run):
     from voodoo.budget import budget_bytes
     from voodoo.quants import tensor_nbytes
     asg = json.loads(tiny_run["assignment"].read_text())
-    tensors = {t.name: t for t in GGUFReader(tiny_run["gguf"]).tensors}
+    tensors = {t.name: t for t in read_gguf(tiny_run["gguf"]).tensors}
     shapes = {}
     written = 0
     for name, v in asg["tensors"].items():
@@ -160,7 +161,7 @@ def test_sizes_predicted_equal_written(tiny_run):
     assert written <= budget * 1.005
     assert abs(written / budget - 1) <= 0.005
     # every tensor not in the assignment is copied from the base unchanged
-    base = {t.name: t for t in GGUFReader(tiny_run["base"]).tensors}
+    base = {t.name: t for t in read_gguf(tiny_run["base"]).tensors}
     for name, t in tensors.items():
         if name not in asg["tensors"]:
             assert t.tensor_type == base[name].tensor_type

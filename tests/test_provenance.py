@@ -94,8 +94,8 @@ def test_stock_file_requantized_for_another_imatrix(tiny_prepared, tmp_path):
         tool_path("llama-quantize")
     except LlamaCppNotBuilt as e:
         pytest.skip(str(e))
-    from gguf import GGUFReader
-    names = {t.name: int(t.shape[0]) for t in GGUFReader(str(tiny_prepared.base_gguf)).tensors
+    from voodoo.ggufio import read_gguf
+    names = {t.name: int(t.shape[0]) for t in read_gguf(str(tiny_prepared.base_gguf)).tensors
              if len(t.shape) == 2}
     ims = []
     for k in range(2):

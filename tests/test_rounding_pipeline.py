@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from gguf import GGUFReader
+from voodoo.ggufio import read_gguf
 
 from test_pipeline import run_cli, tiny_fixed  # noqa: F401  (fixture)
 from voodoo.candidates import (CandidateCache, CandidateJob, candidate_key, plan_precache,
@@ -88,7 +88,7 @@ def test_gptq_run_exports_its_own_bytes(tiny_fixed, tmp_path):
                           "--output_name", "plain", "--rounding", "ggml"])
     assert rc == 0, err[-3000:]
     assert "trained on --rounding gptq candidates" in err
-    g, p = GGUFReader(out / "g.gguf"), GGUFReader(out / "plain.gguf")
+    g, p = read_gguf(out / "g.gguf"), read_gguf(out / "plain.gguf")
     assert str(bytes(g.fields["voodoo.rounding"].parts[-1]), "utf8") == "gptq"
     assert "voodoo.rounding" not in p.fields
     # same tensor bytes; the files differ only by the two voodoo.rounding KV pairs
@@ -168,7 +168,7 @@ def test_auto_rounding_keeps_the_better_bytes_per_pair(tiny_fixed, tmp_path):
                           "--assignment", str(out / "a.assignment.json")])
     assert rc == 0, err[-3000:]
     asg = json.loads((out / "a.assignment.json").read_text())
-    g = {x.name: x for x in GGUFReader(out / "a.gguf").tensors}
+    g = {x.name: x for x in read_gguf(out / "a.gguf").tensors}
     checked = 0
     for name, v in asg["tensors"].items():
         ent = table.get(name, {}).get(v["type"])

@@ -48,11 +48,12 @@ _PREPARED: dict = {}
 
 
 def _prepared(family: str, tmp_path_factory):
-    """prepare_model on the zoo folder, once per session."""
+    """prepare_model on the zoo folder, once per session, into Voodoo's model cache (the
+    default work_dir), where tests/test_arch_matrix.py's load_context finds the same
+    conversion."""
     if family not in _PREPARED:
         from voodoo.models import prepare_model
-        _PREPARED[family] = prepare_model(make_tiny(family),
-                                          work_dir=tmp_path_factory.mktemp(f"zoo-{family}"))
+        _PREPARED[family] = prepare_model(make_tiny(family))
     return _PREPARED[family]
 
 
@@ -122,9 +123,9 @@ def test_unknown_architecture_fails_before_converting(converter_ready, tmp_path)
 
 
 def test_multimodal_gemma3_gives_the_language_model(zoo_configs, tmp_path_factory):
-    from gguf import GGUFReader
+    from voodoo.ggufio import read_gguf
     prep = _prepared("gemma3_mm", tmp_path_factory)
-    r = GGUFReader(prep.base_gguf)
+    r = read_gguf(prep.base_gguf)
     assert r.fields["general.architecture"].contents() == "gemma3"
     names = [t.name for t in r.tensors]
     assert "token_embd.weight" in names and "blk.5.ffn_down.weight" in names

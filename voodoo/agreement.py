@@ -226,8 +226,8 @@ def gguf_vocab(gguf_path: str | os.PathLike) -> dict:
     """What llama.cpp will make of a GGUF's vocabulary: ``{"n_vocab": len(tokenizer.ggml.tokens),
     "bos": tokenizer.ggml.bos_token_id or None, "add_bos": tokenizer.ggml.add_bos_token or
     None (absent)}``. Reads the metadata only (gguf-py's ``GGUFReader``)."""
-    from gguf import GGUFReader
-    r = GGUFReader(gguf_path)
+    from .ggufio import read_gguf
+    r = read_gguf(gguf_path)
 
     def get(key):
         f = r.fields.get(key)

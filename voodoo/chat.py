@@ -43,8 +43,8 @@ def _tail(text: str, n: int = 20) -> str:
 
 def has_chat_template(gguf: str | os.PathLike) -> bool:
     """Whether the GGUF stores a chat template (``tokenizer.chat_template``)."""
-    from gguf import GGUFReader
-    return "tokenizer.chat_template" in GGUFReader(str(gguf)).fields
+    from .ggufio import read_gguf
+    return "tokenizer.chat_template" in read_gguf(gguf).fields
 
 
 @dataclass

@@ -216,8 +216,8 @@ def _check_model_gguf(path, flag: str = "--gguf") -> None:
     if not p.is_file():
         raise UsageError(f"{flag} {path}: no such file")
     try:
-        from gguf import GGUFReader
-        arch = GGUFReader(str(p)).get_field("general.architecture")
+        from .ggufio import read_gguf
+        arch = read_gguf(p).get_field("general.architecture")
     except Exception as e:  # noqa: BLE001  (gguf raises ValueError/struct/OS errors alike)
         raise UsageError(f"{flag} {path}: not a GGUF file ({e})") from None
     if arch is None:

@@ -23,6 +23,7 @@ from typing import Any, Callable, Iterable, Mapping
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter, LlamaFileType
 
+from .ggufio import read_gguf
 from .quants import fallback_type, nearest_ftype, qtype
 
 __all__ = [
@@ -170,7 +171,7 @@ def export_gguf(base_gguf: str | os.PathLike, assignment,
     """
     types = assignment_types(assignment)
     base_gguf, out_path = Path(base_gguf), Path(out_path)
-    reader = GGUFReader(base_gguf)
+    reader = read_gguf(base_gguf)
     tensors = list(reader.tensors)
     by_name = {t.name: t for t in tensors}
     missing = sorted(set(types) - set(by_name))
@@ -312,7 +313,7 @@ def write_tensor_type_file(assignment, path: str | os.PathLike,
     types = assignment_types(assignment)
     lines = [f"{tensor_pattern(n)}={t.lower()}" for n, t in types.items()]
     if base_gguf is not None:
-        for t in GGUFReader(base_gguf).tensors:
+        for t in read_gguf(base_gguf).tensors:
             if t.name not in types and len(t.shape) >= 2 and t.name.endswith("weight"):
                 lines.append(f"{tensor_pattern(t.name)}="
                              f"{GGMLQuantizationType(t.tensor_type).name.lower()}")
@@ -409,7 +410,7 @@ def find_reference(value: str) -> Path | None:
 
 def gguf_model_id(path: str | os.PathLike) -> str | None:
     """The ``voodoo.model`` value of a GGUF file, or None (not written by Voodoo)."""
-    f = GGUFReader(str(path)).fields.get("voodoo.model")
+    f = read_gguf(path).fields.get("voodoo.model")
     return None if f is None else str(f.contents())
 
 

@@ -284,8 +284,10 @@ def read_imatrix_raw(path: str | os.PathLike) -> dict:
 
 def _read_gguf(path: Path) -> dict:
     import gguf
+
+    from .ggufio import read_gguf
     try:
-        r = gguf.GGUFReader(path)
+        r = read_gguf(path)
     except Exception as e:
         raise ImatrixError(f"{path}: not a readable GGUF ({type(e).__name__}: {e})") from None
     sums, counts = {}, {}

@@ -166,9 +166,9 @@ def _cache_dir(key: str, work_dir) -> Path:
 
 # ----------------------------------------------------------------------------- GGUF input
 def _prepare_gguf(path: Path, work_dir) -> PreparedModel:
-    from gguf import GGUFReader
+    from .ggufio import read_gguf
     try:
-        arch = GGUFReader(path).fields["general.architecture"].contents()
+        arch = read_gguf(path).fields["general.architecture"].contents()
     except Exception as e:
         raise ModelPreparationError(f"{path} is not a readable GGUF file: {e}") from e
     key = sha256_file(path)[:16]
@@ -225,12 +225,13 @@ def gguf_to_f32(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
     to a temporary file and renamed into place. Returns ``dst``.
 
     Raises NotImplementedError for a tensor type gguf-py cannot dequantize."""
-    from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter, LlamaFileType
+    from gguf import GGMLQuantizationType, GGUFWriter, LlamaFileType
     from gguf.quants import dequantize
 
     from .export import copy_kv
+    from .ggufio import read_gguf
     src, dst = Path(src), Path(dst)
-    reader = GGUFReader(src)
+    reader = read_gguf(src)
     arch = reader.fields["general.architecture"].contents()
     dst.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{dst.name}.", suffix=".partial", dir=dst.parent)

@@ -185,8 +185,10 @@ def base_weights(base_gguf, names=None) -> dict[str, np.ndarray]:
     """GGUF name -> float32 ``(n_rows, n_per_row)`` view (memory-mapped) of every F32 tensor of
     at least 2 dims of the base F32 GGUF, in GGUF layout; a 3-D tensor (stacked experts) has
     its experts' rows stacked. ``names``: only these."""
-    from gguf import GGMLQuantizationType, GGUFReader
-    r = GGUFReader(str(base_gguf))
+    from gguf import GGMLQuantizationType
+
+    from .ggufio import read_gguf
+    r = read_gguf(base_gguf)
     out = {}
     want = set(names) if names is not None else None
     for t in r.tensors:

@@ -142,5 +142,8 @@ def tame_tqdm(stream=None, mininterval: float = 30.0) -> bool:
 
     tstd.tqdm.__init__ = __init__
     tstd.tqdm.status_printer = staticmethod(status_printer)
+    # no monitor thread: it forces a refresh (an extra line in a log) when a bar has waited
+    # maxinterval (10 s) for a slow iteration, e.g. a training step on a loaded machine
+    tstd.tqdm.monitor_interval = 0
     tstd.tqdm._voodoo_plain = True
     return True

@@ -11,8 +11,8 @@ from .pipeline import log, write_json
 
 def gguf_bpw(path) -> tuple[int, float]:
     """(tensor bytes, bits per weight over all tensors) of a GGUF file."""
-    from gguf import GGUFReader
-    r = GGUFReader(str(path))
+    from .ggufio import read_gguf
+    r = read_gguf(path)
     nbytes = sum(int(t.n_bytes) for t in r.tensors)
     n = sum(int(t.n_elements) for t in r.tensors)
     return nbytes, 8.0 * nbytes / n

@@ -8,7 +8,8 @@ import subprocess
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T
-from gguf import GGUFReader, GGUFWriter
+from gguf import GGUFWriter
+from voodoo.ggufio import read_gguf
 
 import cython_ggml as cg
 from voodoo import llamacpp
@@ -108,7 +109,7 @@ def test_every_tensor_byte_identical_to_llama_quantize(tmp_path):
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
 
-    got = {t.name: t for t in GGUFReader(str(out)).tensors}
+    got = {t.name: t for t in read_gguf(str(out)).tensors}
     seen_types = set()
     for name, w, asked in plan:
         want_type = fallback_type(asked, w.shape[1])

@@ -1,0 +1,35 @@
+"""voodoo.ggufio.read_gguf: gguf-py's GGUFReader over a plain ndarray view of its memmap gives
+the same fields and tensors as the stock reader (speed: benchmarks/gguf_read.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf import GGUFReader
+
+from voodoo.ggufio import read_gguf
+
+
+def test_same_fields_and_tensors_as_gguf_py(tiny_prepared):
+    path = tiny_prepared.base_gguf
+    a, b = read_gguf(path), GGUFReader(str(path))
+    assert isinstance(a, GGUFReader)
+    assert list(a.fields) == list(b.fields)
+    for k in b.fields:
+        assert a.fields[k].types == b.fields[k].types, k
+        assert a.fields[k].contents() == b.fields[k].contents(), k
+    assert len(b.fields["tokenizer.ggml.tokens"].contents()) > 1000   # a real vocabulary
+    assert [t.name for t in a.tensors] == [t.name for t in b.tensors]
+    for s, t in zip(a.tensors, b.tensors):
+        assert (s.tensor_type, list(s.shape), s.n_bytes) == (t.tensor_type, list(t.shape), t.n_bytes)
+        assert type(s.data) is np.ndarray and not s.data.flags.writeable
+        assert np.array_equal(np.asarray(s.data).view(np.uint8), np.asarray(t.data).view(np.uint8))
+
+
+def test_errors_are_gguf_pys(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        read_gguf(tmp_path / "missing.gguf")
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"NOPE" + bytes(64))
+    with pytest.raises(ValueError):
+        read_gguf(bad)
