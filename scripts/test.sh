@@ -3,4 +3,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
-python3 -m pytest -q -ra tests "$@"
+python3 -m pytest -q -ra --durations=25 tests "$@"

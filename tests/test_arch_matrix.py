@@ -49,6 +49,12 @@ def tools_ready():
         tool_path("llama-perplexity")
     except LlamaCppNotBuilt as e:
         pytest.skip(str(e))
+    # ask the converter about every family in one subprocess (one per family otherwise)
+    import json
+
+    from voodoo.models import converter_info
+    first, *rest = [json.loads((make_tiny(f) / "config.json").read_text()) for f in FAMILY_LIST]
+    converter_info(first, also=rest)
 
 
 def _assignment(ctx, menus, table):

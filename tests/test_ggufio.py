@@ -33,3 +33,19 @@ def test_errors_are_gguf_pys(tmp_path):
     bad.write_bytes(b"NOPE" + bytes(64))
     with pytest.raises(ValueError):
         read_gguf(bad)
+
+
+def test_an_unchanged_file_is_parsed_once_a_rewritten_one_again(tiny_prepared, tmp_path):
+    import shutil
+    import time
+    f = tmp_path / "a.gguf"
+    shutil.copy(tiny_prepared.base_gguf, f)
+    a = read_gguf(f)
+    assert read_gguf(f) is a and read_gguf(str(f)) is a
+    time.sleep(0.01)
+    tmp = tmp_path / "b.gguf"
+    shutil.copy(tiny_prepared.base_gguf, tmp)
+    tmp.replace(f)                                   # an atomic rewrite: a new inode
+    b = read_gguf(f)
+    assert b is not a and [t.name for t in b.tensors] == [t.name for t in a.tensors]
+    assert read_gguf(f, mode="r+") is not b          # writable readers are never shared

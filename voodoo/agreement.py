@@ -225,7 +225,19 @@ def torch_logits(model: torch.nn.Module, tokens: torch.Tensor, batch_size: int =
 def gguf_vocab(gguf_path: str | os.PathLike) -> dict:
     """What llama.cpp will make of a GGUF's vocabulary: ``{"n_vocab": len(tokenizer.ggml.tokens),
     "bos": tokenizer.ggml.bos_token_id or None, "add_bos": tokenizer.ggml.add_bos_token or
-    None (absent)}``. Reads the metadata only (gguf-py's ``GGUFReader``)."""
+    None (absent)}``. Reads the metadata only (gguf-py's ``GGUFReader``), once per file
+    version (remembered by path, size and mtime)."""
+    st = os.stat(gguf_path)
+    key = (os.path.realpath(gguf_path), st.st_size, st.st_mtime_ns)
+    if key not in _VOCAB_CACHE:
+        _VOCAB_CACHE[key] = _read_vocab(gguf_path)
+    return dict(_VOCAB_CACHE[key])
+
+
+_VOCAB_CACHE: dict[tuple, dict] = {}
+
+
+def _read_vocab(gguf_path) -> dict:
     from .ggufio import read_gguf
     r = read_gguf(gguf_path)
 

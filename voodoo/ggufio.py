@@ -5,17 +5,24 @@ that map once per value: a vocabulary of 49k tokens and 48k merges is ~250k slic
 slice of a ``memmap`` runs ``memmap.__getitem__``/``__array_finalize__`` in Python (8 s for a
 SmolLM2-vocabulary GGUF on a loaded 2-core machine). :func:`read_gguf` gives the same reader
 over a plain ``ndarray`` view of the same map (still mapped, still read-only): the same fields
-and tensors, about 3x faster.
+and tensors, about 3x faster; and a read-only file read again unchanged (same path, inode, size
+and mtime) is not parsed again: the last :data:`CACHE_SIZE` readers are kept.
 """
 
 from __future__ import annotations
 
 import os
+from collections import OrderedDict
 
 import numpy as np
 from gguf import GGUFReader
 
-__all__ = ["read_gguf"]
+__all__ = ["read_gguf", "CACHE_SIZE"]
+
+#: read-only readers kept for files read again unchanged (a SmolLM2-vocabulary reader holds
+#: ~2M small numpy views, ~0.2 GB)
+CACHE_SIZE = 2
+_CACHE: OrderedDict = OrderedDict()
 
 
 class _Reader(GGUFReader):
@@ -34,6 +41,20 @@ def read_gguf(path: str | os.PathLike, mode: str = "r") -> GGUFReader:
     """``gguf.GGUFReader(path, mode)``, parsed without numpy.memmap's per-slice overhead.
 
     Returns a ``GGUFReader`` (``fields``, ``tensors``, ``get_field`` as in gguf-py); tensor
-    ``data`` arrays are read-only views of the mapped file. Raises what ``GGUFReader`` raises
-    (``FileNotFoundError``; ``ValueError`` for a file that is not GGUF)."""
-    return _Reader(os.fspath(path), mode)
+    ``data`` arrays are read-only views of the mapped file. With ``mode="r"`` the reader may be
+    one returned before for the same unchanged file (treat it as read-only; a file replaced or
+    rewritten since is parsed again). Raises what ``GGUFReader`` raises (``FileNotFoundError``;
+    ``ValueError`` for a file that is not GGUF)."""
+    path = os.fspath(path)
+    if mode != "r":
+        return _Reader(path, mode)
+    st = os.stat(path)
+    key = (os.path.realpath(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    r = _CACHE.get(key)
+    if r is None:
+        r = _Reader(path, mode)
+        _CACHE[key] = r
+        while len(_CACHE) > CACHE_SIZE:
+            _CACHE.popitem(last=False)
+    _CACHE.move_to_end(key)
+    return r
