@@ -72,3 +72,39 @@ def test_bad_shapes(problem):
         R.gptq_columns(w, "Q4_K", imat, h)
     with pytest.raises(ValueError):
         R.gptq_blocks(w[:, :288], "Q4_K", imat[:288], h[:288, :288])
+
+
+def _objective(w, q, t, h, damp):
+    hd = np.array(h, dtype=np.float64) + damp * np.mean(np.diagonal(h)) * np.eye(COLS)
+    return R.proxy_error(w, cg.dequantize(q, t, COLS, n_threads=1), hd)
+
+
+@pytest.mark.parametrize("t", R.COLUMN_TYPES)
+def test_refine_columns(problem, t):
+    # no sweep: the same bytes (the block codec round-trips); sweeps never raise the damped
+    # objective they descend, keep valid blocks that dequantize exactly, and (a test that
+    # can fail) lower it below GPTQ's greedy pass on these correlated inputs
+    w, imat, h, u = problem
+    q0 = R.gptq_columns(w, t, imat, h, u=u)
+    assert np.array_equal(R.refine_columns(w, q0, t, h, sweeps=0, scales=False), q0)
+    f0 = _objective(w, q0, t, h, 0.01)
+    prev = f0
+    for sweeps in (1, 3):
+        q = R.refine_columns(w, q0, t, h, damp=0.01, sweeps=sweeps)
+        _check(q, t, w, imat, h)
+        f = _objective(w, q, t, h, 0.01)
+        assert f <= prev * (1 + 1e-9)
+        prev = f
+    assert prev < 0.97 * f0
+    # from libggml's own bytes as well
+    g = cg.quantize(w, t, imatrix=imat, n_threads=1)
+    assert _objective(w, R.refine_columns(w, g, t, h, sweeps=2), t, h, 0.01) \
+        < _objective(w, g, t, h, 0.01)
+
+
+def test_refine_columns_bad_input(problem):
+    w, imat, h, _ = problem
+    with pytest.raises(ValueError, match="refines"):
+        R.refine_columns(w, cg.quantize(w, "Q4_K", imatrix=imat, n_threads=1), "Q4_K", h)
+    with pytest.raises(ValueError):
+        R.refine_columns(w, cg.quantize(w, "Q4_0", n_threads=1)[:, :-18], "Q4_0", h)

@@ -33,7 +33,7 @@ import ctypes
 import numpy as np
 
 __all__ = ["inverse_hessian_cholesky", "gptq_blocks", "gptq_columns", "quantize_feedback",
-           "proxy_error", "logit_kl", "validate_rows", "COLUMN_TYPES"]
+           "proxy_error", "logit_kl", "validate_rows", "refine_columns", "COLUMN_TYPES"]
 
 #: kvalues_iq4nl (ggml-common.h)
 _IQ4NL = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113],
@@ -203,32 +203,185 @@ def gptq_columns(w: np.ndarray, qtype, imatrix: np.ndarray | None, h: np.ndarray
                 blk[:, j + 1:] -= err[:, None] * u_bb[j, j + 1:][None, :]
         if e < cols:
             wk[:, e:] -= errs @ u[s:e, e:]
-        blocks = out[:, k * ts:(k + 1) * ts]
-        blocks[:, :off_qs] = ref[:, :off_qs]   # d (and m); qh rewritten below
-        if kind == "i8":
-            blocks[:, 2:34] = qv.astype(np.int8).view(np.uint8)
-        else:
-            lo4 = (qv[:, :16] & 0xF) | ((qv[:, 16:] & 0xF) << 4)
-            blocks[:, off_qs:off_qs + 16] = lo4.astype(np.uint8)
-            if off_qh is not None:
-                bits = ((qv >> 4) & 1).astype(np.uint64) << np.arange(32, dtype=np.uint64)
-                qh = bits.sum(1).astype(np.uint32)
-                blocks[:, off_qh:off_qh + 4] = qh[:, None].view(np.uint8).reshape(rows, 4)
+        out[:, k * ts:(k + 1) * ts] = _encode_block(name, ref[:, :off_qs], qv)
+    return out
+
+
+def _encode_block(name: str, head: np.ndarray, qv: np.ndarray) -> np.ndarray:
+    """One 32-block per row in ``name``'s ``block_*`` layout: ``head`` uint8 (rows, offset of
+    qs) holds d (and m) and is copied; ``qv`` int (rows, 32) the quant indices."""
+    ts, _, off_qh, off_qs, kind, _ = _LAYOUT[name]
+    rows = qv.shape[0]
+    blocks = np.zeros((rows, ts), dtype=np.uint8)
+    blocks[:, :off_qs] = head[:, :off_qs]
+    if kind == "i8":
+        blocks[:, 2:34] = qv.astype(np.int8).view(np.uint8)
+        return blocks
+    lo4 = (qv[:, :16] & 0xF) | ((qv[:, 16:] & 0xF) << 4)
+    blocks[:, off_qs:off_qs + 16] = lo4.astype(np.uint8)
+    if off_qh is not None:
+        bits = ((qv >> 4) & 1).astype(np.uint64) << np.arange(32, dtype=np.uint64)
+        qh = bits.sum(1).astype(np.uint32)
+        blocks[:, off_qh:off_qh + 4] = qh[:, None].view(np.uint8).reshape(rows, 4)
+    return blocks
+
+
+def _decode_blocks(data: np.ndarray, name: str):
+    """(d, m, q) of 32-block rows: d, m float32 (rows, n_blocks) (m = 0 without a min), q int64
+    (rows, n_blocks, 32) the quant indices."""
+    ts, has_min, off_qh, off_qs, kind, _ = _LAYOUT[name]
+    rows = data.shape[0]
+    b = np.ascontiguousarray(data, dtype=np.uint8).reshape(rows, -1, ts)
+    d = np.ascontiguousarray(b[:, :, 0:2]).view(np.float16)[..., 0].astype(np.float32)
+    m = (np.ascontiguousarray(b[:, :, 2:4]).view(np.float16)[..., 0].astype(np.float32)
+         if has_min else np.zeros_like(d))
+    if kind == "i8":
+        q = np.ascontiguousarray(b[:, :, 2:34]).view(np.int8).astype(np.int64)
+        return d, m, q
+    qs = b[:, :, off_qs:off_qs + 16].astype(np.int64)
+    q = np.concatenate([qs & 0xF, qs >> 4], axis=-1)
+    if off_qh is not None:
+        qh = np.ascontiguousarray(b[:, :, off_qh:off_qh + 4]).view(np.uint32)[..., 0]
+        q |= ((qh[..., None].astype(np.int64) >> np.arange(32)) & 1) << 4
+    return d, m, q
+
+
+def _unit_levels(name: str) -> np.ndarray:
+    """The value of each quant index per unit of the block scale ``d`` (``deq = d·L[q] + m``),
+    ascending in the index."""
+    _, _, _, _, kind, (qlo, qhi) = _LAYOUT[name]
+    if kind == "nl":
+        return _IQ4NL.astype(np.float64)
+    idx = np.arange(qlo, qhi + 1, dtype=np.float64)
+    return idx - _OFFSET.get(name, 0) if kind == "u" else idx
+
+
+def refine_columns(w: np.ndarray, data: np.ndarray, qtype, h: np.ndarray, *,
+                   damp: float = 0.01, sweeps: int = 4, scales: bool = True) -> np.ndarray:
+    """Coordinate descent on ``tr(E H_d E^T)`` from valid 32-block rows ``data`` of ``w``.
+
+    ``H_d = H + damp·mean(diag H)·I`` (the matrix :func:`gptq_columns` minimises through its
+    Cholesky factor). Each sweep visits every weight once, left to right, and moves its quant
+    index one level up or down where that lowers the objective exactly (the gradient
+    ``G = E H_d`` is kept current); after a block's columns, the block's scale ``d`` (and min
+    ``m``) is moved to its least-squares value under ``H_d``, rounded to float16, where that
+    lowers it too (``scales``). Stops after ``sweeps`` sweeps or one without a move. The
+    objective never increases, so the result is never worse than ``data`` on the ``H`` it is
+    given (QuantEase-style refinement of GPTQ's greedy one-pass rounding).
+
+    Args: ``w`` float32 (rows, cols); ``data`` uint8 (rows, row_size), one of
+    :data:`COLUMN_TYPES`; ``h`` (cols, cols) ``X^T X``.
+    Returns uint8 (rows, row_size), the same layout (only quant indices, d and m change).
+    Raises ValueError for another type or mismatched shapes."""
+    g = _ggml()
+    name = g.type_name(qtype)
+    if name not in _LAYOUT:
+        raise ValueError(f"refine_columns refines {', '.join(COLUMN_TYPES)}, not {name}")
+    _check(w, None, h)
+    ts, has_min, _, off_qs, kind, (qlo, qhi) = _LAYOUT[name]
+    rows, cols = w.shape
+    if cols % 32 or data.shape != (rows, cols // 32 * ts):
+        raise ValueError(f"{name} rows of shape {data.shape} do not hold a {w.shape} tensor")
+    hd = np.array(h, dtype=np.float64, copy=True)
+    dg = np.diagonal(hd).copy()
+    dead = dg <= 0
+    hd[dead, dead] = 1.0
+    hd[np.diag_indices_from(hd)] += damp * float(np.mean(np.diagonal(hd)))
+    d, m, q = _decode_blocks(data, name)
+    d64, m64 = d.astype(np.float64), m.astype(np.float64)
+    lv = _unit_levels(name)
+    q = q - qlo if kind == "i8" else q                  # index into lv
+    nlev = len(lv)
+    nb = cols // 32
+    qf = q.reshape(rows, cols)
+    deq = (d64.repeat(32, 1) * lv[qf] + m64.repeat(32, 1))
+    e = np.asarray(w, dtype=np.float64) - deq
+    grad = e @ hd
+    ar = np.arange(rows)
+    for _ in range(max(0, sweeps)):
+        moved = 0
+        for b in range(nb):
+            s0, s1 = 32 * b, 32 * b + 32
+            de = np.zeros((rows, 32))
+            db = d64[:, b]
+            for j in range(32):
+                c = s0 + j
+                qi = qf[:, c]
+                gc, hcc = grad[:, c], hd[c, c]
+                best_df = np.zeros(rows)
+                best_step = np.zeros(rows, dtype=np.int64)
+                for step in (-1, 1):
+                    qn = qi + step
+                    ok = (qn >= 0) & (qn < nlev)
+                    delta = db * (lv[np.clip(qn, 0, nlev - 1)] - lv[qi])   # change of deq
+                    df = -2.0 * delta * gc + delta * delta * hcc
+                    better = ok & (df < best_df)
+                    best_df = np.where(better, df, best_df)
+                    best_step = np.where(better, step, best_step)
+                mv = best_step != 0
+                if not mv.any():
+                    continue
+                moved += int(mv.sum())
+                delta = np.where(mv, db * (lv[qi + best_step] - lv[qi]), 0.0)
+                qf[:, c] = qi + best_step
+                e[:, c] -= delta
+                de[:, j] -= delta
+                grad[:, s0:s1] -= delta[:, None] * hd[c, s0:s1][None, :]
+            if scales:
+                hbb = hd[s0:s1, s0:s1]
+                lb = lv[qf[:, s0:s1]]
+                for which in ("d", "m") if has_min else ("d",):
+                    x = lb if which == "d" else np.ones_like(lb)
+                    gb = grad[:, s0:s1]
+                    num = (x * gb).sum(1)
+                    den = np.einsum("ri,ij,rj->r", x, hbb, x)
+                    cur = d64[:, b] if which == "d" else m64[:, b]
+                    new = (cur + np.divide(num, den, out=np.zeros(rows), where=den > 0))
+                    new = new.astype(np.float16).astype(np.float64)
+                    step = np.where(np.isfinite(new), new - cur, 0.0)
+                    dx = step[:, None] * x                                  # change of deq
+                    df = -2.0 * (dx * gb).sum(1) + np.einsum("ri,ij,rj->r", dx, hbb, dx)
+                    acc = (df < 0) & (step != 0)
+                    if not acc.any():
+                        continue
+                    dx[~acc] = 0.0
+                    if which == "d":
+                        d64[:, b] = np.where(acc, new, d64[:, b])
+                    else:
+                        m64[:, b] = np.where(acc, new, m64[:, b])
+                    e[:, s0:s1] -= dx
+                    de -= dx
+                    grad[:, s0:s1] -= dx @ hbb
+            if de.any():
+                rest = np.r_[0:s0, s1:cols]
+                grad[:, rest] += de @ hd[s0:s1, rest]
+        if moved == 0:
+            break
+    q = qf.reshape(rows, nb, 32) + (qlo if kind == "i8" else 0)
+    out = np.empty((rows, nb * ts), dtype=np.uint8)
+    head = np.zeros((rows, off_qs), dtype=np.uint8)
+    for b in range(nb):
+        head[:, 0:2] = d64[:, b].astype(np.float16)[:, None].view(np.uint8)
+        if has_min:
+            head[:, 2:4] = m64[:, b].astype(np.float16)[:, None].view(np.uint8)
+        out[:, b * ts:(b + 1) * ts] = _encode_block(name, head, q[:, b])
     return out
 
 
 def quantize_feedback(w: np.ndarray, qtype, imatrix: np.ndarray | None, h: np.ndarray, *,
                       method: str = "auto", damp: float = 0.01, importance: str = "imatrix",
-                      u: np.ndarray | None = None) -> np.ndarray:
+                      u: np.ndarray | None = None, sweeps: int = 0) -> np.ndarray:
     """Error-feedback bytes of ``w`` as ``qtype``: ``method="columns"`` (:func:`gptq_columns`,
     32-block types of :data:`COLUMN_TYPES`), ``"blocks"`` (:func:`gptq_blocks`, every type) or
-    ``"auto"`` (columns where possible)."""
+    ``"auto"`` (columns where possible). ``sweeps`` > 0: the columns' bytes are then refined
+    by :func:`refine_columns` (that many sweeps, the same ``damp``); no effect on blocks."""
     name = _ggml().type_name(qtype)
     if method == "auto":
         method = "columns" if name in _LAYOUT else "blocks"
     w = np.ascontiguousarray(w, dtype=np.float32)
     if method == "columns":
-        return gptq_columns(w, name, imatrix, h, damp=damp, importance=importance, u=u)
+        q = gptq_columns(w, name, imatrix, h, damp=damp, importance=importance, u=u)
+        return refine_columns(w, q, name, h, damp=damp, sweeps=sweeps) if sweeps > 0 else q
     if method == "blocks":
         return gptq_blocks(w, name, imatrix, h, damp=damp, importance=importance, u=u)
     raise ValueError(f"method must be auto, columns or blocks, got {method!r}")
