@@ -288,84 +288,94 @@ def refine_columns(w: np.ndarray, data: np.ndarray, qtype, h: np.ndarray, *,
     hd[dead, dead] = 1.0
     hd[np.diag_indices_from(hd)] += damp * float(np.mean(np.diagonal(hd)))
     d, m, q = _decode_blocks(data, name)
-    d64, m64 = d.astype(np.float64), m.astype(np.float64)
     lv = _unit_levels(name)
+    lvp = np.concatenate([lv[:1], lv, lv[-1:]])        # index + 1; a step off the end moves 0
     q = q - qlo if kind == "i8" else q                  # index into lv
-    nlev = len(lv)
     nb = cols // 32
-    qf = q.reshape(rows, cols)
-    deq = (d64.repeat(32, 1) * lv[qf] + m64.repeat(32, 1))
-    e = np.asarray(w, dtype=np.float64) - deq
-    grad = e @ hd
-    ar = np.arange(rows)
+    w64 = np.asarray(w, dtype=np.float64)
+    out = np.empty((rows, nb * ts), dtype=np.uint8)
+    # rows are independent (tr(E H E^T) sums over rows): chunks keep the work in cache
+    for r0 in range(0, rows, _REFINE_CHUNK):
+        r1 = min(rows, r0 + _REFINE_CHUNK)
+        qc, dc, mc = _refine_chunk(w64[r0:r1], q[r0:r1], d[r0:r1].astype(np.float64),
+                                   m[r0:r1].astype(np.float64), hd, lvp, has_min, sweeps,
+                                   scales)
+        qc = qc + (qlo if kind == "i8" else 0)
+        head = np.zeros((r1 - r0, off_qs), dtype=np.uint8)
+        for b in range(nb):
+            head[:, 0:2] = dc[:, b].astype(np.float16)[:, None].view(np.uint8)
+            if has_min:
+                head[:, 2:4] = mc[:, b].astype(np.float16)[:, None].view(np.uint8)
+            out[r0:r1, b * ts:(b + 1) * ts] = _encode_block(name, head, qc[:, b])
+    return out
+
+
+_REFINE_CHUNK = 2048
+
+
+def _refine_chunk(w, q, d, m, hd, lvp, has_min, sweeps, scales):
+    """:func:`refine_columns` on some rows: float64 ``w`` (r, cols), ``q`` (r, nb, 32) indices
+    into ``lvp[1:-1]``, ``d``/``m`` (r, nb). Works column-major (a column's values are
+    contiguous). Returns (q, d, m) of the same shapes."""
+    r, cols = w.shape
+    nb = cols // 32
+    qT = np.ascontiguousarray(q.reshape(r, cols).T)                 # (cols, r)
+    dT, mT = np.ascontiguousarray(d.T), np.ascontiguousarray(m.T)   # (nb, r)
+    eT = np.ascontiguousarray(w.T) - (np.repeat(dT, 32, 0) * lvp[qT + 1] + np.repeat(mT, 32, 0))
+    gT = hd @ eT                                                    # (E H_d)^T
     for _ in range(max(0, sweeps)):
         moved = 0
         for b in range(nb):
             s0, s1 = 32 * b, 32 * b + 32
-            de = np.zeros((rows, 32))
-            db = d64[:, b]
+            deT = np.zeros((32, r))
+            db = dT[b]
             for j in range(32):
                 c = s0 + j
-                qi = qf[:, c]
-                gc, hcc = grad[:, c], hd[c, c]
-                best_df = np.zeros(rows)
-                best_step = np.zeros(rows, dtype=np.int64)
-                for step in (-1, 1):
-                    qn = qi + step
-                    ok = (qn >= 0) & (qn < nlev)
-                    delta = db * (lv[np.clip(qn, 0, nlev - 1)] - lv[qi])   # change of deq
-                    df = -2.0 * delta * gc + delta * delta * hcc
-                    better = ok & (df < best_df)
-                    best_df = np.where(better, df, best_df)
-                    best_step = np.where(better, step, best_step)
-                mv = best_step != 0
-                if not mv.any():
+                qi, gc, hcc = qT[c], gT[c], hd[c, c]
+                cur = lvp[qi + 1]
+                du = db * (lvp[qi + 2] - cur)                       # change of deq, one up
+                dd = db * (lvp[qi] - cur)                           # one down
+                fu = du * (du * hcc - 2.0 * gc)
+                fd = dd * (dd * hcc - 2.0 * gc)
+                up = (fu < fd) & (fu < 0)
+                dn = ~up & (fd < 0)
+                if not (up.any() or dn.any()):
                     continue
-                moved += int(mv.sum())
-                delta = np.where(mv, db * (lv[qi + best_step] - lv[qi]), 0.0)
-                qf[:, c] = qi + best_step
-                e[:, c] -= delta
-                de[:, j] -= delta
-                grad[:, s0:s1] -= delta[:, None] * hd[c, s0:s1][None, :]
+                moved += int(up.sum() + dn.sum())
+                delta = np.where(up, du, np.where(dn, dd, 0.0))
+                qi += up.astype(qi.dtype) - dn.astype(qi.dtype)     # in place: qT[c]
+                eT[c] -= delta
+                deT[j] -= delta
+                gT[s0:s1] -= hd[s0:s1, c][:, None] * delta[None, :]
             if scales:
                 hbb = hd[s0:s1, s0:s1]
-                lb = lv[qf[:, s0:s1]]
                 for which in ("d", "m") if has_min else ("d",):
-                    x = lb if which == "d" else np.ones_like(lb)
-                    gb = grad[:, s0:s1]
-                    num = (x * gb).sum(1)
-                    den = np.einsum("ri,ij,rj->r", x, hbb, x)
-                    cur = d64[:, b] if which == "d" else m64[:, b]
-                    new = (cur + np.divide(num, den, out=np.zeros(rows), where=den > 0))
+                    x = lvp[qT[s0:s1] + 1] if which == "d" else np.ones((32, r))
+                    gb = gT[s0:s1]
+                    num = (x * gb).sum(0)
+                    den = (x * (hbb @ x)).sum(0)
+                    cur = dT[b] if which == "d" else mT[b]
+                    new = cur + np.divide(num, den, out=np.zeros(r), where=den > 0)
                     new = new.astype(np.float16).astype(np.float64)
                     step = np.where(np.isfinite(new), new - cur, 0.0)
-                    dx = step[:, None] * x                                  # change of deq
-                    df = -2.0 * (dx * gb).sum(1) + np.einsum("ri,ij,rj->r", dx, hbb, dx)
+                    dx = step[None, :] * x                          # change of deq
+                    hdx = hbb @ dx
+                    df = -2.0 * (dx * gb).sum(0) + (dx * hdx).sum(0)
                     acc = (df < 0) & (step != 0)
                     if not acc.any():
                         continue
-                    dx[~acc] = 0.0
-                    if which == "d":
-                        d64[:, b] = np.where(acc, new, d64[:, b])
-                    else:
-                        m64[:, b] = np.where(acc, new, m64[:, b])
-                    e[:, s0:s1] -= dx
-                    de -= dx
-                    grad[:, s0:s1] -= dx @ hbb
-            if de.any():
-                rest = np.r_[0:s0, s1:cols]
-                grad[:, rest] += de @ hd[s0:s1, rest]
+                    dx[:, ~acc] = 0.0
+                    hdx[:, ~acc] = 0.0
+                    cur[acc] = new[acc]                             # in place: dT[b] / mT[b]
+                    eT[s0:s1] -= dx
+                    deT -= dx
+                    gT[s0:s1] -= hdx
+            if deT.any():
+                gT[:s0] += hd[:s0, s0:s1] @ deT
+                gT[s1:] += hd[s1:, s0:s1] @ deT
         if moved == 0:
             break
-    q = qf.reshape(rows, nb, 32) + (qlo if kind == "i8" else 0)
-    out = np.empty((rows, nb * ts), dtype=np.uint8)
-    head = np.zeros((rows, off_qs), dtype=np.uint8)
-    for b in range(nb):
-        head[:, 0:2] = d64[:, b].astype(np.float16)[:, None].view(np.uint8)
-        if has_min:
-            head[:, 2:4] = m64[:, b].astype(np.float16)[:, None].view(np.uint8)
-        out[:, b * ts:(b + 1) * ts] = _encode_block(name, head, q[:, b])
-    return out
+    return qT.T.reshape(r, nb, 32), np.ascontiguousarray(dT.T), np.ascontiguousarray(mT.T)
 
 
 def quantize_feedback(w: np.ndarray, qtype, imatrix: np.ndarray | None, h: np.ndarray, *,
