@@ -159,9 +159,7 @@ def gptq_columns(w: np.ndarray, qtype, imatrix: np.ndarray | None, h: np.ndarray
 
     Returns uint8 (rows, row_size) in the type's ``block_*`` layout."""
     g = _ggml()
-    name = g.type_name(qtype)
-    if name not in _LAYOUT:
-        raise ValueError(f"gptq_columns writes {', '.join(COLUMN_TYPES)}, not {name}")
+    name = _column_type(qtype, "gptq_columns writes")
     _check(w, imatrix, h)
     ts, has_min, off_qh, off_qs, kind, (qlo, qhi) = _LAYOUT[name]
     bs = 32
@@ -205,6 +203,14 @@ def gptq_columns(w: np.ndarray, qtype, imatrix: np.ndarray | None, h: np.ndarray
             wk[:, e:] -= errs @ u[s:e, e:]
         out[:, k * ts:(k + 1) * ts] = _encode_block(name, ref[:, :off_qs], qv)
     return out
+
+
+def _column_type(qtype, who: str) -> str:
+    """``qtype``'s name; ValueError unless it is one of :data:`COLUMN_TYPES`."""
+    name = _ggml().type_name(qtype)
+    if name not in _LAYOUT:
+        raise ValueError(f"{who} {', '.join(COLUMN_TYPES)}, not {name}")
+    return name
 
 
 def _encode_block(name: str, head: np.ndarray, qv: np.ndarray) -> np.ndarray:
@@ -273,10 +279,7 @@ def refine_columns(w: np.ndarray, data: np.ndarray, qtype, h: np.ndarray, *,
     :data:`COLUMN_TYPES`; ``h`` (cols, cols) ``X^T X``.
     Returns uint8 (rows, row_size), the same layout (only quant indices, d and m change).
     Raises ValueError for another type or mismatched shapes."""
-    g = _ggml()
-    name = g.type_name(qtype)
-    if name not in _LAYOUT:
-        raise ValueError(f"refine_columns refines {', '.join(COLUMN_TYPES)}, not {name}")
+    name = _column_type(qtype, "refine_columns refines")
     _check(w, None, h)
     ts, has_min, _, off_qs, kind, (qlo, qhi) = _LAYOUT[name]
     rows, cols = w.shape
