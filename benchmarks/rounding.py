@@ -193,8 +193,9 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=1, help="torch threads")
     ap.add_argument("--kld_blocks", type=int, default=16, help="held-out blocks for --kld_types")
     ap.add_argument("--refine", type=int, default=0,
-                    help="also measure columns+cd / ggml+cd: voodoo.rounding.refine_columns "
-                         "with this many sweeps from the columns / ggml bytes")
+                    help="also measure columns+cd / ggml+cd (32-block types) and blocks+cd "
+                         "(Q4_K, Q5_K, Q6_K): voodoo.rounding.refine_columns with this many "
+                         "sweeps from the columns / ggml / blocks bytes")
     ap.add_argument("--no_control", action="store_true", help="skip the blocks-nofb control")
     ap.add_argument("--kld_types", default="",
                     help="comma-separated 32-block types: also measure the whole model's mean "
@@ -244,6 +245,10 @@ def main() -> int:
                     srcs["ggml+cd"] = lambda: R.refine_columns(
                         w, cython_ggml.quantize(w, t, imatrix=imat, n_threads=1), t, hfit,
                         damp=args.damp, sweeps=args.refine)
+            elif args.refine and t in R.REFINE_TYPES:
+                srcs["blocks+cd"] = lambda: R.refine_columns(
+                    w, R.gptq_blocks(w, t, imat, hfit, u=u, importance=args.importance),
+                    t, hfit, damp=args.damp, sweeps=args.refine)
             rec = {"tensor": gguf_name(name), "shape": list(w.shape), "type": t}
             for s, fn in srcs.items():
                 t0 = time.time()
@@ -282,7 +287,7 @@ def main() -> int:
             types.append(r["type"])
     for t in types:
         rs = [r for r in rows if r["type"] == t]
-        for s in ["blocks-nofb", "blocks", "columns", "columns+cd", "ggml+cd"]:
+        for s in ["blocks-nofb", "blocks", "blocks+cd", "columns", "columns+cd", "ggml+cd"]:
             rr = [r for r in rs if s in r]
             if not rr:
                 continue

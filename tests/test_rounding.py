@@ -102,9 +102,47 @@ def test_refine_columns(problem, t):
         < _objective(w, g, t, h, 0.01)
 
 
+KQUANTS = [t for t in R.REFINE_TYPES if t not in R.COLUMN_TYPES]
+
+
+@pytest.mark.parametrize("t", KQUANTS)
+def test_kquant_codec_matches_libggml(problem, t):
+    # the quant indices read from libggml's bytes, and any indices written back, dequantize
+    # exactly as libggml does; writing back what was read gives the same bytes
+    w, imat, _, _ = problem
+    q = cg.quantize(w, t, imatrix=imat, n_threads=1)
+    dd, mm, qi = R._decode_k(q, t)
+    first = R._KLAYOUT[t][2]
+    assert np.array_equal(R._encode_k(q, t, qi), q)
+    rng = np.random.default_rng(1)
+    qr = rng.integers(0, int(qi.max()) + 1, size=qi.shape)
+    assert int(qi.max()) == {"Q4_K": 15, "Q5_K": 31, "Q6_K": 63}[t]
+    q2 = R._encode_k(q, t, qr)
+    assert R.validate_rows(q2, t)
+    mine = (dd[..., None] * (qr + first) + mm[..., None]).astype(np.float32).reshape(ROWS, COLS)
+    assert np.allclose(mine, cg.dequantize(q2, t, COLS, n_threads=1), rtol=1e-6, atol=1e-9)
+
+
+@pytest.mark.parametrize("t", KQUANTS)
+def test_refine_kquants(problem, t):
+    # quant indices only: scale bytes unchanged, objective never up, below GPTQ's blocks
+    w, imat, h, u = problem
+    q0 = R.gptq_blocks(w, t, imat, h, u=u)
+    assert np.array_equal(R.refine_columns(w, q0, t, h, sweeps=0), q0)
+    f0 = _objective(w, q0, t, h, 0.01)
+    q = R.refine_columns(w, q0, t, h, damp=0.01, sweeps=3)
+    _check(q, t, w, imat, h)
+    assert _objective(w, q, t, h, 0.01) < 0.97 * f0
+    d0, m0, _ = R._decode_k(q0, t)
+    d1, m1, _ = R._decode_k(q, t)
+    assert np.array_equal(d0, d1) and np.array_equal(m0, m1)
+    # and quantize_feedback applies it to the blocks' bytes when asked
+    assert np.array_equal(R.quantize_feedback(w, t, imat, h, damp=0.01, u=u, sweeps=3), q)
+
+
 def test_refine_columns_bad_input(problem):
     w, imat, h, _ = problem
     with pytest.raises(ValueError, match="refines"):
-        R.refine_columns(w, cg.quantize(w, "Q4_K", imatrix=imat, n_threads=1), "Q4_K", h)
+        R.refine_columns(w, cg.quantize(w, "IQ4_XS", imatrix=imat, n_threads=1), "IQ4_XS", h)
     with pytest.raises(ValueError):
         R.refine_columns(w, cg.quantize(w, "Q4_0", n_threads=1)[:, :-18], "Q4_0", h)

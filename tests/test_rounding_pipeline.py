@@ -43,6 +43,9 @@ def test_keys_and_bytes():
     tag = rounding_tag(h)
     assert tag.startswith("gptq:") and rounding_tag(None) == "ggml"
     assert rounding_tag(h, "F16") == "ggml"  # float types: nothing to round
+    # k-quants whose indices the sweeps move are tagged apart from older candidates
+    assert rounding_tag(h, "Q5_0") == tag and rounding_tag(h, "IQ4_XS") == tag
+    assert rounding_tag(h, "Q6_K") == tag.replace(":cd4:", ":cd4k:")
     k1 = candidate_key(w, "Q4_K", im, rounding=tag)
     assert k1.digest != k0.digest and k1.from_meta(k1.to_meta()) == k1
     q0 = quantize_candidate(w, "Q4_K", im, "blk.0.ffn_down.weight")
@@ -50,7 +53,8 @@ def test_keys_and_bytes():
     assert q1.shape == q0.shape and q1.dtype == np.uint8 and not np.array_equal(q0, q1)
     res, todo = plan_precache([CandidateJob("t", w, "Q4_K", im, h),
                                CandidateJob("t", w, "F16", im, h)], CandidateCache("/nonexistent"))
-    assert res[("t", "Q4_K")].rounding == tag and res[("t", "F16")].rounding == "ggml"
+    assert res[("t", "Q4_K")].rounding == rounding_tag(h, "Q4_K") == tag.replace(":cd4:", ":cd4k:") \
+        and res[("t", "F16")].rounding == "ggml"
     assert todo[1][0].hessian is None
 
 
@@ -96,14 +100,17 @@ def test_gptq_run_exports_its_own_bytes(tiny_fixed, tmp_path):
     assert 0 < (out / "g.gguf").stat().st_size - (out / "plain.gguf").stat().st_size < 256
     pt = {t.name: t for t in p.tensors}
     from gguf import GGML_QUANT_SIZES
+
+    from voodoo.rounding import REFINE_TYPES
     differ = []
     for t in g.tensors:
         u = pt[t.name]
         assert t.tensor_type == u.tensor_type and t.data.nbytes == u.data.nbytes, t.name
         block = GGML_QUANT_SIZES[t.tensor_type][0]
-        # a layer matmul whose rows hold more than one block has later columns to feed back to
+        # a layer matmul whose rows hold more than one block has later columns to feed back
+        # to; coordinate descent moves the indices of a single block of a refined type too
         if t.name.startswith("blk.") and len(t.shape) == 2 and block > 1 and \
-                int(t.shape[0]) > block:
+                (int(t.shape[0]) > block or t.tensor_type.name in REFINE_TYPES):
             differ.append(not np.array_equal(np.asarray(t.data), np.asarray(u.data)))
     assert len(differ) >= 4 and all(differ), differ
     from voodoo.evaluate import run_perplexity

@@ -48,7 +48,8 @@ __all__ = [
     "CandidateKey", "CandidateJob", "CandidateCache", "CorruptCandidate",
     "CorruptCandidateWarning", "PrecacheResult", "candidate_key", "weights_sha256",
     "imatrix_sha256", "effective_imatrix", "quantize_candidate", "to_arrow", "from_arrow",
-    "plan_precache", "precache_local", "FORMAT_VERSION", "rounding_tag", "GPTQ_DAMP",
+    "plan_precache", "precache_local", "FORMAT_VERSION", "rounding_tag", "hessian_sha",
+    "GPTQ_DAMP",
 ]
 
 log = logging.getLogger(__name__)
@@ -83,7 +84,8 @@ class CandidateKey:
         rounding: ``"ggml"`` (llama-quantize's own bytes) or
             ``"gptq:<damp>:cd<sweeps>:<sha256 of H>"`` (error-feedback rounding with the input
             Hessian H, then ``sweeps`` of coordinate descent for 32-block types,
-            :mod:`voodoo.rounding`).
+            :mod:`voodoo.rounding`); ``cd<sweeps>k`` for Q4_K, Q5_K and Q6_K, whose quant
+            indices (not scales) the sweeps move.
     """
 
     weights_sha256: str
@@ -208,21 +210,37 @@ def effective_imatrix(imatrix_row: np.ndarray | None, gguf_name: str | None,
 #: activations of the rotated SmolLM2 (benchmarks/results/rounding/damp_sweep.md).
 GPTQ_DAMP = 0.05
 
-#: Coordinate-descent sweeps after GPTQ's pass for 32-block types
-#: (:func:`voodoo.rounding.refine_columns`): 4 sweeps lower the held-out output error of
-#: Q5_0/Q5_1/IQ4_NL columns by a further 6-11% (benchmarks/results/rounding/cd_sweeps4/).
+#: Coordinate-descent sweeps after GPTQ's pass (:func:`voodoo.rounding.refine_columns`) for
+#: the 32-block types and the quant indices of Q4_K/Q5_K/Q6_K: 4 sweeps lower the held-out
+#: output error of Q5_0/Q5_1/IQ4_NL columns by a further 6-11%
+#: (benchmarks/results/rounding/cd_sweeps4/), of Q4_K/Q5_K/Q6_K ffn_down by 10-16%
+#: (benchmarks/results/rounding/cd_kquants/).
 GPTQ_SWEEPS = 4
 
 
-def rounding_tag(hessian: np.ndarray | None, type_name=None, damp: float = GPTQ_DAMP) -> str:
-    """The :class:`CandidateKey` ``rounding`` of a candidate made with ``hessian`` (float32
-    (n_per_row, n_per_row)) or without (``"ggml"``). Float types (F16, BF16, F32) have no
-    rounding to improve: always ``"ggml"``."""
+def rounding_tag(hessian: np.ndarray | None, type_name=None, damp: float = GPTQ_DAMP, *,
+                 _sha: str | None = None) -> str:
+    """The :class:`CandidateKey` ``rounding`` of a ``type_name`` candidate made with
+    ``hessian`` (float32 (n_per_row, n_per_row)) or without (``"ggml"``). Float types (F16,
+    BF16, F32) have no rounding to improve: always ``"ggml"``. ``_sha``: the Hessian's digest
+    (:func:`hessian_sha`), when already known."""
     if hessian is None or (type_name is not None and qtype(type_name).block_size == 1):
         return "ggml"
-    h = np.ascontiguousarray(hessian, dtype=np.float32)
     cd = f":cd{GPTQ_SWEEPS}" if GPTQ_SWEEPS else ""
-    return f"gptq:{damp}{cd}:{hashlib.sha256(memoryview(h).cast('B')).hexdigest()[:32]}"
+    if cd and type_name is not None and qtype(type_name).name in _K_REFINED:
+        cd += "k"
+    return f"gptq:{damp}{cd}:{_sha or hessian_sha(hessian)}"
+
+
+#: k-quants whose quant indices the sweeps refine (voodoo.rounding.REFINE_TYPES minus the
+#: 32-block types); their tag differs from candidates made before they were refined.
+_K_REFINED = frozenset(["Q4_K", "Q5_K", "Q6_K"])
+
+
+def hessian_sha(hessian: np.ndarray) -> str:
+    """The first 32 hex digits of the sha256 of ``hessian``'s float32 bytes."""
+    h = np.ascontiguousarray(hessian, dtype=np.float32)
+    return hashlib.sha256(memoryview(h).cast('B')).hexdigest()[:32]
 
 
 def candidate_key(weights: np.ndarray, type_name, imatrix_row: np.ndarray | None,
@@ -258,8 +276,8 @@ def quantize_candidate(w: np.ndarray, type_name, imatrix_row: np.ndarray | None,
     Hessian ``hessian`` (float32 (n_per_row, n_per_row), ``X^T X`` of the tensor's matmul
     input), with error-feedback rounding (:func:`voodoo.rounding.quantize_feedback`, damping
     :data:`GPTQ_DAMP`; then :data:`GPTQ_SWEEPS` sweeps of coordinate descent for 32-block
-    types): valid blocks of the same type that llama.cpp dequantizes as any
-    other, but not the bytes llama-quantize writes.
+    types and the quant indices of Q4_K/Q5_K/Q6_K): valid blocks of the same type that
+    llama.cpp dequantizes as any other, but not the bytes llama-quantize writes.
 
     Args:
         w: float32 (n_rows, n_per_row), GGUF layout (read-only arrays are fine).
@@ -617,7 +635,7 @@ def plan_precache(jobs: Iterable, cache: CandidateCache, verify: bool = True
     todo: list[tuple[CandidateJob, CandidateKey]] = []
     seen: set[CandidateKey] = set()
     wsha: dict[int, tuple[np.ndarray, str]] = {}  # id(weights) -> (weights, sha): hash once
-    htag: dict[int, tuple[np.ndarray, str]] = {}  # id(hessian) -> (hessian, rounding tag)
+    htag: dict[int, tuple[np.ndarray, str]] = {}  # id(hessian) -> (hessian, its sha)
     for j in jobs:
         j = CandidateJob(*j)
         w = _as_f32_2d(j.weights, f"weights of {j.gguf_name}")
@@ -626,9 +644,9 @@ def plan_precache(jobs: Iterable, cache: CandidateCache, verify: bool = True
         t = qtype(j.type_name).name
         im = effective_imatrix(j.imatrix_row, j.gguf_name, w.shape[1])
         if j.hessian is not None and id(j.hessian) not in htag:
-            htag[id(j.hessian)] = (j.hessian, rounding_tag(j.hessian))
-        rnd = "ggml" if j.hessian is None or qtype(t).block_size == 1 \
-            else htag[id(j.hessian)][1]
+            htag[id(j.hessian)] = (j.hessian, hessian_sha(j.hessian))
+        rnd = "ggml" if j.hessian is None \
+            else rounding_tag(j.hessian, t, _sha=htag[id(j.hessian)][1])
         key = candidate_key(w, t, im, _weights_sha=wsha[id(j.weights)][1], rounding=rnd)
         key.row_size  # raises ValueError now for a type the row length does not fit
         if im is None and requires_imatrix(t, j.gguf_name):

@@ -33,7 +33,8 @@ import ctypes
 import numpy as np
 
 __all__ = ["inverse_hessian_cholesky", "gptq_blocks", "gptq_columns", "quantize_feedback",
-           "proxy_error", "logit_kl", "validate_rows", "refine_columns", "COLUMN_TYPES"]
+           "proxy_error", "logit_kl", "validate_rows", "refine_columns", "COLUMN_TYPES",
+           "REFINE_TYPES"]
 
 #: kvalues_iq4nl (ggml-common.h)
 _IQ4NL = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113],
@@ -51,6 +52,14 @@ _LAYOUT = {
 _OFFSET = {"Q4_0": 8, "Q5_0": 16, "Q8_0": 0, "Q4_1": 0, "Q5_1": 0}
 #: 32-block types whose bytes :func:`gptq_columns` writes itself.
 COLUMN_TYPES = tuple(_LAYOUT)
+
+#: 256-block k-quants whose quant indices :func:`refine_columns` moves (their sub-block scales
+#: and mins stay): type -> (bytes per block, sub-block size, first level). Layouts and
+#: dequantization: ``block_q4_K``/``block_q5_K``/``block_q6_K`` (ggml-common.h),
+#: ``dequantize_row_q4_K``/``_q5_K``/``_q6_K`` (ggml-quants.c).
+_KLAYOUT = {"Q4_K": (144, 32, 0), "Q5_K": (176, 32, 0), "Q6_K": (210, 16, -32)}
+#: Every type :func:`refine_columns` refines.
+REFINE_TYPES = COLUMN_TYPES + tuple(_KLAYOUT)
 
 
 def _ggml():
@@ -262,6 +271,94 @@ def _unit_levels(name: str) -> np.ndarray:
     return idx - _OFFSET.get(name, 0) if kind == "u" else idx
 
 
+def _k_scales_mins(s: np.ndarray):
+    """The 8 six-bit scales and mins of ``block_q4_K``/``block_q5_K``'s 12 ``scales`` bytes
+    (``get_scale_min_k4``, ggml-quants.c): two int64 arrays (..., 8)."""
+    s = s.astype(np.int64)
+    sc = np.empty(s.shape[:-1] + (8,), np.int64)
+    mn = np.empty_like(sc)
+    sc[..., :4] = s[..., 0:4] & 63
+    mn[..., :4] = s[..., 4:8] & 63
+    sc[..., 4:] = (s[..., 8:12] & 0xF) | ((s[..., 0:4] >> 6) << 4)
+    mn[..., 4:] = (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)
+    return sc, mn
+
+
+def _decode_k(data: np.ndarray, name: str):
+    """(D, m, q) of k-quant rows, ``deq = D·(q + first level) + m`` per sub-block: D, m float64
+    (rows, n_sub) holding the float32 values ggml computes (``d * sc``, ``-dmin * m``), q int64
+    (rows, n_sub, sub-block size) the quant indices (from 0)."""
+    ts, bs, _ = _KLAYOUT[name]
+    rows = data.shape[0]
+    b = np.ascontiguousarray(data, dtype=np.uint8).reshape(rows, -1, ts)
+    nsb = b.shape[1]
+
+    def f16(off):
+        return np.ascontiguousarray(b[..., off:off + 2]).view(np.float16)[..., 0].astype(
+            np.float32)
+    if name == "Q6_K":
+        ql = b[..., :128].astype(np.int64).reshape(rows, nsb, 2, 64)
+        qh = b[..., 128:192].astype(np.int64).reshape(rows, nsb, 2, 32)
+        lo = np.stack([ql[..., :32] & 15, ql[..., 32:] & 15, ql[..., :32] >> 4,
+                       ql[..., 32:] >> 4], -2)
+        hi = np.stack([(qh >> k) & 3 for k in (0, 2, 4, 6)], -2)
+        q = (lo | (hi << 4)).reshape(rows, nsb * 16, 16)
+        sc = np.ascontiguousarray(b[..., 192:208]).view(np.int8).astype(np.float32)
+        dd = (f16(208)[..., None] * sc).reshape(rows, -1)
+        return dd.astype(np.float64), np.zeros(dd.shape), q
+    sc, mn = _k_scales_mins(b[..., 4:16])
+    qs = b[..., ts - 128:].astype(np.int64).reshape(rows, nsb, 4, 32)
+    q = np.stack([qs & 15, qs >> 4], -2)                       # (rows, nsb, 4, 2, 32)
+    if name == "Q5_K":
+        qh = b[..., 16:48].astype(np.int64)
+        bits = (qh[..., None, :] >> np.arange(8)[:, None]) & 1   # (rows, nsb, 8, 32)
+        q = q | (bits.reshape(rows, nsb, 4, 2, 32) << 4)
+    dd = f16(0)[..., None] * sc.astype(np.float32)
+    mm = -(f16(2)[..., None] * mn.astype(np.float32))
+    return (dd.reshape(rows, -1).astype(np.float64), mm.reshape(rows, -1).astype(np.float64),
+            q.reshape(rows, nsb * 8, 32))
+
+
+def _encode_k(data: np.ndarray, name: str, q: np.ndarray) -> np.ndarray:
+    """``data`` (k-quant rows) with its quant indices replaced by ``q`` (rows, n_sub, sub-block
+    size); scales, mins and super-block scales are copied."""
+    ts, _, _ = _KLAYOUT[name]
+    rows = data.shape[0]
+    b = np.array(data, dtype=np.uint8).reshape(rows, -1, ts)
+    nsb = b.shape[1]
+    if name == "Q6_K":
+        q = q.reshape(rows, nsb, 2, 4, 32)
+        ql = np.concatenate([(q[..., 0, :] & 15) | ((q[..., 2, :] & 15) << 4),
+                             (q[..., 1, :] & 15) | ((q[..., 3, :] & 15) << 4)], -1)
+        qh = sum(((q[..., k, :] >> 4) & 3) << (2 * k) for k in range(4))
+        b[..., :128] = ql.reshape(rows, nsb, 128)
+        b[..., 128:192] = qh.reshape(rows, nsb, 64)
+        return b.reshape(data.shape)
+    q = q.reshape(rows, nsb, 4, 2, 32)
+    b[..., ts - 128:] = ((q[..., 0, :] & 15) | ((q[..., 1, :] & 15) << 4)).reshape(rows, nsb, 128)
+    if name == "Q5_K":
+        hb = ((q >> 4) & 1).reshape(rows, nsb, 8, 32) << np.arange(8)[:, None]
+        b[..., 16:48] = hb.sum(-2)
+    return b.reshape(data.shape)
+
+
+def _refine_k(w, data, name, hd, sweeps):
+    ts, bs, first = _KLAYOUT[name]
+    rows, cols = w.shape
+    dd, mm, q = _decode_k(data, name)
+    qmax = (15, 31, 63)[("Q4_K", "Q5_K", "Q6_K").index(name)]
+    lv = np.arange(first, first + qmax + 1, dtype=np.float64)
+    lvp = np.concatenate([lv[:1], lv, lv[-1:]])
+    w64 = np.asarray(w, dtype=np.float64)
+    qo = np.empty_like(q)
+    for r0 in range(0, rows, _REFINE_CHUNK):
+        r1 = min(rows, r0 + _REFINE_CHUNK)
+        qo[r0:r1] = _refine_chunk(w64[r0:r1], q[r0:r1], dd[r0:r1], mm[r0:r1], hd, lvp, True,
+                                  sweeps, False, bs)[0]
+    return _encode_k(data, name, qo)
+
+
+
 def refine_columns(w: np.ndarray, data: np.ndarray, qtype, h: np.ndarray, *,
                    damp: float = 0.01, sweeps: int = 4, scales: bool = True) -> np.ndarray:
     """Coordinate descent on ``tr(E H_d E^T)`` from valid 32-block rows ``data`` of ``w``.
@@ -275,21 +372,33 @@ def refine_columns(w: np.ndarray, data: np.ndarray, qtype, h: np.ndarray, *,
     objective never increases, so the result is never worse than ``data`` on the ``H`` it is
     given (QuantEase-style refinement of GPTQ's greedy one-pass rounding).
 
+    The k-quants Q4_K, Q5_K and Q6_K (256-blocks of 32- or 16-wide sub-blocks with 6- or
+    8-bit scales under a float16 super-block scale) are refined in their quant indices only:
+    every scale and min byte stays as ``data`` has it.
+
     Args: ``w`` float32 (rows, cols); ``data`` uint8 (rows, row_size), one of
-    :data:`COLUMN_TYPES`; ``h`` (cols, cols) ``X^T X``.
+    :data:`REFINE_TYPES`; ``h`` (cols, cols) ``X^T X``.
     Returns uint8 (rows, row_size), the same layout (only quant indices, d and m change).
     Raises ValueError for another type or mismatched shapes."""
-    name = _column_type(qtype, "refine_columns refines")
+    name = _ggml().type_name(qtype)
+    if name not in REFINE_TYPES:
+        raise ValueError(f"refine_columns refines {', '.join(REFINE_TYPES)}, not {name}")
     _check(w, None, h)
-    ts, has_min, _, off_qs, kind, (qlo, qhi) = _LAYOUT[name]
     rows, cols = w.shape
-    if cols % 32 or data.shape != (rows, cols // 32 * ts):
+    if name in _KLAYOUT:
+        ts, bs = _KLAYOUT[name][0], 256
+    else:
+        ts, has_min, _, off_qs, kind, (qlo, qhi) = _LAYOUT[name]
+        bs = 32
+    if cols % bs or data.shape != (rows, cols // bs * ts):
         raise ValueError(f"{name} rows of shape {data.shape} do not hold a {w.shape} tensor")
     hd = np.array(h, dtype=np.float64, copy=True)
     dg = np.diagonal(hd).copy()
     dead = dg <= 0
     hd[dead, dead] = 1.0
     hd[np.diag_indices_from(hd)] += damp * float(np.mean(np.diagonal(hd)))
+    if name in _KLAYOUT:
+        return _refine_k(w, data, name, hd, sweeps)
     d, m, q = _decode_blocks(data, name)
     lv = _unit_levels(name)
     lvp = np.concatenate([lv[:1], lv, lv[-1:]])        # index + 1; a step off the end moves 0
@@ -316,23 +425,23 @@ def refine_columns(w: np.ndarray, data: np.ndarray, qtype, h: np.ndarray, *,
 _REFINE_CHUNK = 2048
 
 
-def _refine_chunk(w, q, d, m, hd, lvp, has_min, sweeps, scales):
-    """:func:`refine_columns` on some rows: float64 ``w`` (r, cols), ``q`` (r, nb, 32) indices
-    into ``lvp[1:-1]``, ``d``/``m`` (r, nb). Works column-major (a column's values are
-    contiguous). Returns (q, d, m) of the same shapes."""
+def _refine_chunk(w, q, d, m, hd, lvp, has_min, sweeps, scales, bs=32):
+    """:func:`refine_columns` on some rows: float64 ``w`` (r, cols), ``q`` (r, nb, bs) indices
+    into ``lvp[1:-1]``, ``d``/``m`` (r, nb), one per block of ``bs`` columns. Works
+    column-major (a column's values are contiguous). Returns (q, d, m) of the same shapes."""
     r, cols = w.shape
-    nb = cols // 32
+    nb = cols // bs
     qT = np.ascontiguousarray(q.reshape(r, cols).T)                 # (cols, r)
     dT, mT = np.ascontiguousarray(d.T), np.ascontiguousarray(m.T)   # (nb, r)
-    eT = np.ascontiguousarray(w.T) - (np.repeat(dT, 32, 0) * lvp[qT + 1] + np.repeat(mT, 32, 0))
+    eT = np.ascontiguousarray(w.T) - (np.repeat(dT, bs, 0) * lvp[qT + 1] + np.repeat(mT, bs, 0))
     gT = hd @ eT                                                    # (E H_d)^T
     for _ in range(max(0, sweeps)):
         moved = 0
         for b in range(nb):
-            s0, s1 = 32 * b, 32 * b + 32
-            deT = np.zeros((32, r))
+            s0, s1 = bs * b, bs * b + bs
+            deT = np.zeros((bs, r))
             db = dT[b]
-            for j in range(32):
+            for j in range(bs):
                 c = s0 + j
                 qi, gc, hcc = qT[c], gT[c], hd[c, c]
                 cur = lvp[qi + 1]
@@ -353,7 +462,7 @@ def _refine_chunk(w, q, d, m, hd, lvp, has_min, sweeps, scales):
             if scales:
                 hbb = hd[s0:s1, s0:s1]
                 for which in ("d", "m") if has_min else ("d",):
-                    x = lvp[qT[s0:s1] + 1] if which == "d" else np.ones((32, r))
+                    x = lvp[qT[s0:s1] + 1] if which == "d" else np.ones((bs, r))
                     gb = gT[s0:s1]
                     num = (x * gb).sum(0)
                     den = (x * (hbb @ x)).sum(0)
@@ -378,7 +487,7 @@ def _refine_chunk(w, q, d, m, hd, lvp, has_min, sweeps, scales):
                 gT[s1:] += hd[s1:, s0:s1] @ deT
         if moved == 0:
             break
-    return qT.T.reshape(r, nb, 32), np.ascontiguousarray(dT.T), np.ascontiguousarray(mT.T)
+    return qT.T.reshape(r, nb, bs), np.ascontiguousarray(dT.T), np.ascontiguousarray(mT.T)
 
 
 def quantize_feedback(w: np.ndarray, qtype, imatrix: np.ndarray | None, h: np.ndarray, *,
@@ -387,7 +496,8 @@ def quantize_feedback(w: np.ndarray, qtype, imatrix: np.ndarray | None, h: np.nd
     """Error-feedback bytes of ``w`` as ``qtype``: ``method="columns"`` (:func:`gptq_columns`,
     32-block types of :data:`COLUMN_TYPES`), ``"blocks"`` (:func:`gptq_blocks`, every type) or
     ``"auto"`` (columns where possible). ``sweeps`` > 0: the columns' bytes are then refined
-    by :func:`refine_columns` (that many sweeps, the same ``damp``); no effect on blocks."""
+    by :func:`refine_columns` (that many sweeps, the same ``damp``), for the blocks' bytes of
+    the k-quants in :data:`REFINE_TYPES` too; no effect on other types."""
     name = _ggml().type_name(qtype)
     if method == "auto":
         method = "columns" if name in _LAYOUT else "blocks"
@@ -396,7 +506,10 @@ def quantize_feedback(w: np.ndarray, qtype, imatrix: np.ndarray | None, h: np.nd
         q = gptq_columns(w, name, imatrix, h, damp=damp, importance=importance, u=u)
         return refine_columns(w, q, name, h, damp=damp, sweeps=sweeps) if sweeps > 0 else q
     if method == "blocks":
-        return gptq_blocks(w, name, imatrix, h, damp=damp, importance=importance, u=u)
+        q = gptq_blocks(w, name, imatrix, h, damp=damp, importance=importance, u=u)
+        if sweeps > 0 and name in _KLAYOUT:
+            q = refine_columns(w, q, name, h, damp=damp, sweeps=sweeps)
+        return q
     raise ValueError(f"method must be auto, columns or blocks, got {method!r}")
 
 
