@@ -45,7 +45,7 @@ def test_keys_and_bytes():
     assert rounding_tag(h, "F16") == "ggml"  # float types: nothing to round
     # k-quants whose indices the sweeps move are tagged apart from older candidates
     assert rounding_tag(h, "Q5_0") == tag and rounding_tag(h, "IQ4_XS") == tag
-    assert rounding_tag(h, "Q6_K") == tag.replace(":cd4:", ":cd4k:")
+    assert rounding_tag(h, "Q6_K") == tag.replace(":cd4:", ":cd4kd:")
     k1 = candidate_key(w, "Q4_K", im, rounding=tag)
     assert k1.digest != k0.digest and k1.from_meta(k1.to_meta()) == k1
     q0 = quantize_candidate(w, "Q4_K", im, "blk.0.ffn_down.weight")
@@ -53,8 +53,8 @@ def test_keys_and_bytes():
     assert q1.shape == q0.shape and q1.dtype == np.uint8 and not np.array_equal(q0, q1)
     res, todo = plan_precache([CandidateJob("t", w, "Q4_K", im, h),
                                CandidateJob("t", w, "F16", im, h)], CandidateCache("/nonexistent"))
-    assert res[("t", "Q4_K")].rounding == rounding_tag(h, "Q4_K") == tag.replace(":cd4:", ":cd4k:") \
-        and res[("t", "F16")].rounding == "ggml"
+    assert res[("t", "Q4_K")].rounding == rounding_tag(h, "Q4_K") \
+        == tag.replace(":cd4:", ":cd4kd:") and res[("t", "F16")].rounding == "ggml"
     assert todo[1][0].hessian is None
 
 

@@ -84,8 +84,8 @@ class CandidateKey:
         rounding: ``"ggml"`` (llama-quantize's own bytes) or
             ``"gptq:<damp>:cd<sweeps>:<sha256 of H>"`` (error-feedback rounding with the input
             Hessian H, then ``sweeps`` of coordinate descent for 32-block types,
-            :mod:`voodoo.rounding`); ``cd<sweeps>k`` for Q4_K, Q5_K and Q6_K, whose quant
-            indices (not scales) the sweeps move.
+            :mod:`voodoo.rounding`); ``cd<sweeps>kd`` for Q4_K, Q5_K and Q6_K, whose quant
+            indices the sweeps move (sub-block scales kept), then their super-block ``d``.
     """
 
     weights_sha256: str
@@ -228,7 +228,7 @@ def rounding_tag(hessian: np.ndarray | None, type_name=None, damp: float = GPTQ_
         return "ggml"
     cd = f":cd{GPTQ_SWEEPS}" if GPTQ_SWEEPS else ""
     if cd and type_name is not None and qtype(type_name).name in _K_REFINED:
-        cd += "k"
+        cd += "kd"
     return f"gptq:{damp}{cd}:{_sha or hessian_sha(hessian)}"
 
 

@@ -342,7 +342,7 @@ def _encode_k(data: np.ndarray, name: str, q: np.ndarray) -> np.ndarray:
     return b.reshape(data.shape)
 
 
-def _refine_k(w, data, name, hd, sweeps):
+def _refine_k(w, data, name, hd, sweeps, scales=True):
     ts, bs, first = _KLAYOUT[name]
     rows, cols = w.shape
     dd, mm, q = _decode_k(data, name)
@@ -355,7 +355,52 @@ def _refine_k(w, data, name, hd, sweeps):
         r1 = min(rows, r0 + _REFINE_CHUNK)
         qo[r0:r1] = _refine_chunk(w64[r0:r1], q[r0:r1], dd[r0:r1], mm[r0:r1], hd, lvp, True,
                                   sweeps, False, bs)[0]
-    return _encode_k(data, name, qo)
+    out = _encode_k(data, name, qo)
+    return _refit_k_super(w64, out, name, hd) if scales and sweeps > 0 else out
+
+
+def _refit_k_super(w64, data, name, hd):
+    """Moves each super-block's float16 ``d`` (and ``dmin``) of k-quant rows to its
+    least-squares value under ``hd`` with the quant indices and sub-block scales fixed, where
+    that lowers ``tr(E hd E^T)`` (the sign of ``d``/``dmin`` is kept)."""
+    ts, bs, first = _KLAYOUT[name]
+    rows, cols = w64.shape
+    b = np.array(data, dtype=np.uint8).reshape(rows, -1, ts)
+    nsb = b.shape[1]
+    dd, mm, q = _decode_k(data, name)
+    lvq = (q + first).reshape(rows, nsb, 256 // bs, bs).astype(np.float64)
+    if name == "Q6_K":
+        sc = np.ascontiguousarray(b[..., 192:208]).view(np.int8).astype(np.float64)
+        params = [(208, sc[..., None] * lvq)]
+    else:
+        sc, mn = _k_scales_mins(b[..., 4:16])
+        params = [(0, sc[..., None].astype(np.float64) * lvq),
+                  (2, -np.broadcast_to(mn[..., None].astype(np.float64), lvq.shape))]
+    deq = (dd.reshape(rows, nsb, -1)[..., None] * lvq
+           + mm.reshape(rows, nsb, -1)[..., None]).reshape(rows, cols)
+    e = w64 - deq
+    g = e @ hd                                                     # (rows, cols)
+    for k in range(nsb):
+        s0, s1 = 256 * k, 256 * k + 256
+        hbb = hd[s0:s1, s0:s1]
+        for off, x in params:
+            xk = x[:, k].reshape(rows, 256)
+            cur = np.ascontiguousarray(b[:, k, off:off + 2]).view(np.float16)[:, 0]
+            c64 = cur.astype(np.float64)
+            num = (xk * g[:, s0:s1]).sum(1)
+            den = (xk * (xk @ hbb)).sum(1)
+            new = (c64 + np.divide(num, den, out=np.zeros(rows), where=den > 0)).astype(
+                np.float16)
+            step = new.astype(np.float64) - c64
+            df = -2.0 * step * num + step * step * den
+            acc = (df < 0) & np.isfinite(new) & (np.sign(new) == np.sign(cur)) & (step != 0)
+            if not acc.any():
+                continue
+            dx = np.where(acc[:, None], step[:, None] * xk, 0.0)
+            g -= dx @ hd[s0:s1]
+            cur = np.where(acc, new, cur)
+            b[:, k, off:off + 2] = cur.astype(np.float16)[:, None].view(np.uint8)
+    return b.reshape(data.shape)
 
 
 
@@ -373,8 +418,10 @@ def refine_columns(w: np.ndarray, data: np.ndarray, qtype, h: np.ndarray, *,
     given (QuantEase-style refinement of GPTQ's greedy one-pass rounding).
 
     The k-quants Q4_K, Q5_K and Q6_K (256-blocks of 32- or 16-wide sub-blocks with 6- or
-    8-bit scales under a float16 super-block scale) are refined in their quant indices only:
-    every scale and min byte stays as ``data`` has it.
+    8-bit scales under a float16 super-block scale) are refined in their quant indices; the
+    sub-block scale and min bytes stay as ``data`` has them, and after the sweeps each
+    super-block's float16 ``d`` (and ``dmin``) moves to its least-squares value where that
+    lowers the objective (``scales``; its sign is kept).
 
     Args: ``w`` float32 (rows, cols); ``data`` uint8 (rows, row_size), one of
     :data:`REFINE_TYPES`; ``h`` (cols, cols) ``X^T X``.
@@ -398,7 +445,7 @@ def refine_columns(w: np.ndarray, data: np.ndarray, qtype, h: np.ndarray, *,
     hd[dead, dead] = 1.0
     hd[np.diag_indices_from(hd)] += damp * float(np.mean(np.diagonal(hd)))
     if name in _KLAYOUT:
-        return _refine_k(w, data, name, hd, sweeps)
+        return _refine_k(w, data, name, hd, sweeps, scales)
     d, m, q = _decode_blocks(data, name)
     lv = _unit_levels(name)
     lvp = np.concatenate([lv[:1], lv, lv[-1:]])        # index + 1; a step off the end moves 0
