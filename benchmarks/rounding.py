@@ -267,7 +267,7 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "per_tensor.json").write_text(json.dumps(rows, indent=0) + "\n")
-    lines = [f"# Error-feedback rounding vs llama-quantize's bytes: proxy tr(E H E^T)",
+    lines = ["# Error-feedback rounding vs llama-quantize's bytes: proxy tr(E H E^T)",
              "",
              f"model {args.model}; layers {args.layers} (256-block types: "
              f"{args.layers_256 or args.layers}); H and imatrix from {args.fit_blocks} "

@@ -254,7 +254,7 @@ def precache_ray(jobs: Iterable, cache: CandidateCache, max_workers: int | None 
     # weights: put lazily, freed after the tensor's last job
     remaining = Counter(k.weights_sha256 for _, k in todo)
     wrefs: dict[str, ray.ObjectRef] = {}
-    hrefs: dict[str, ray.ObjectRef] = {}  # rounding tag -> the Hessian, put once
+    hrefs: dict[str, ray.ObjectRef] = {}  # the Hessian's sha (end of the tag) -> it, put once
 
     def release(sha: str) -> None:
         remaining[sha] -= 1
@@ -321,9 +321,10 @@ def precache_ray(jobs: Iterable, cache: CandidateCache, max_workers: int | None 
                     wrefs[sha] = ray.put(np.ascontiguousarray(job.weights))
                 href = None
                 if job.hessian is not None:
-                    if key.rounding not in hrefs:
-                        hrefs[key.rounding] = ray.put(np.ascontiguousarray(job.hessian))
-                    href = hrefs[key.rounding]
+                    hsha = key.rounding.rsplit(":", 1)[-1]  # types' tags differ, H is shared
+                    if hsha not in hrefs:
+                        hrefs[hsha] = ray.put(np.ascontiguousarray(job.hessian))
+                    href = hrefs[hsha]
                 ref = slot.actor.quantize.remote(wrefs[sha], job.gguf_name, key.to_meta(),
                                                  actors_write, href)
                 slot.inflight += 1

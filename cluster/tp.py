@@ -33,7 +33,7 @@ The core (``voodoo/``) knows nothing of this; no Ray here either (only torch.dis
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch

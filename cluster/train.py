@@ -81,7 +81,7 @@ from torch import nn
 
 from voodoo.budget import budget_bytes, check_reachable
 from voodoo.gates import (gate_parameters, gate_state, load_gate_state,
-                          mixed_weights, model_expected_bytes)
+                          mixed_weights)
 from voodoo.train import (_RESUME_FREE, METRICS, TrainConfig, _rng_state, _set_rng_state,
                           batch_indices, start_gates, temperature_at, train_step)
 
