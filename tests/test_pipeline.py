@@ -229,14 +229,31 @@ def test_precache_through_ray_equals_local(tiny_run, tmp_path):
                                                                           "IQ2_S")]
     assert len(jobs) == 12
     fresh = CandidateCache(tmp_path / "ray-cache")
+    # error-feedback candidates too: one Hessian shared by a k-quant and a 32-block type,
+    # whose rounding tags differ
+    from voodoo.candidates import CandidateJob, quantize_candidate
+    j0 = jobs[0]
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((512, j0.weights.shape[1]))
+    hess = (x.T @ x).astype(np.float32)
+    fb = [CandidateJob(j0.gguf_name, j0.weights, t, j0.imatrix_row, hess) for t in ("Q4_K",
+                                                                                  "Q8_0")]
     started = not ray.is_initialized()
     if started:
         ray.init(num_cpus=2, include_dashboard=False, address="local")
     try:
         res = precache_ray(jobs, fresh, max_workers=2, progress=False)
+        res_fb = precache_ray(fb, fresh, max_workers=2, progress=False)
     finally:
         if started:
             ray.shutdown()
+    assert res_fb.misses == 2
+    for j in fb:
+        key = res_fb[(j.gguf_name, j.type_name)]
+        assert key.rounding.startswith("gptq:")
+        want = quantize_candidate(np.asarray(j.weights), j.type_name, j.imatrix_row,
+                                  j.gguf_name, hessian=hess)
+        assert fresh.get(key).tobytes() == want.tobytes(), j.type_name
     assert res.misses == 12 and res.hits == 0
     main = CandidateCache()
     for (name, t), key in res.items():
