@@ -147,7 +147,9 @@ def test_refine_kquants(problem, t):
     diff = np.argwhere((q != qi).reshape(ROWS, -1, ts).any((0, 1)))[:, 0]
     assert set(diff.tolist()) <= set(heads)
     # and quantize_feedback applies it to the blocks' bytes when asked
-    assert np.array_equal(R.quantize_feedback(w, t, imat, h, damp=0.01, u=u, sweeps=3), q)
+    assert np.array_equal(R.quantize_feedback(w, t, imat, h, damp=0.01, u=u,
+                                              kquant_sweeps=3), q)
+    assert np.array_equal(R.quantize_feedback(w, t, imat, h, damp=0.01, u=u, sweeps=3), q0)
 
 
 def test_refine_columns_bad_input(problem):

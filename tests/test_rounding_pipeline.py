@@ -43,9 +43,11 @@ def test_keys_and_bytes():
     tag = rounding_tag(h)
     assert tag.startswith("gptq:") and rounding_tag(None) == "ggml"
     assert rounding_tag(h, "F16") == "ggml"  # float types: nothing to round
-    # k-quants whose indices the sweeps move are tagged apart from older candidates
+    # k-quants are tagged apart only when their indices are refined too
+    import voodoo.candidates as C
     assert rounding_tag(h, "Q5_0") == tag and rounding_tag(h, "IQ4_XS") == tag
-    assert rounding_tag(h, "Q6_K") == tag.replace(":cd4:", ":cd4kd:")
+    kd = f":cd{C.GPTQ_SWEEPS}kd{C.GPTQ_KQUANT_SWEEPS}:" if C.GPTQ_KQUANT_SWEEPS else ":cd4:"
+    assert rounding_tag(h, "Q6_K") == tag.replace(":cd4:", kd)
     k1 = candidate_key(w, "Q4_K", im, rounding=tag)
     assert k1.digest != k0.digest and k1.from_meta(k1.to_meta()) == k1
     q0 = quantize_candidate(w, "Q4_K", im, "blk.0.ffn_down.weight")
@@ -54,7 +56,7 @@ def test_keys_and_bytes():
     res, todo = plan_precache([CandidateJob("t", w, "Q4_K", im, h),
                                CandidateJob("t", w, "F16", im, h)], CandidateCache("/nonexistent"))
     assert res[("t", "Q4_K")].rounding == rounding_tag(h, "Q4_K") \
-        == tag.replace(":cd4:", ":cd4kd:") and res[("t", "F16")].rounding == "ggml"
+        == tag.replace(":cd4:", kd) and res[("t", "F16")].rounding == "ggml"
     assert todo[1][0].hessian is None
 
 
@@ -101,7 +103,9 @@ def test_gptq_run_exports_its_own_bytes(tiny_fixed, tmp_path):
     pt = {t.name: t for t in p.tensors}
     from gguf import GGML_QUANT_SIZES
 
-    from voodoo.rounding import REFINE_TYPES
+    from voodoo.candidates import GPTQ_KQUANT_SWEEPS
+    from voodoo.rounding import COLUMN_TYPES, REFINE_TYPES
+    refined = REFINE_TYPES if GPTQ_KQUANT_SWEEPS else COLUMN_TYPES
     differ = []
     for t in g.tensors:
         u = pt[t.name]
@@ -110,7 +114,7 @@ def test_gptq_run_exports_its_own_bytes(tiny_fixed, tmp_path):
         # a layer matmul whose rows hold more than one block has later columns to feed back
         # to; coordinate descent moves the indices of a single block of a refined type too
         if t.name.startswith("blk.") and len(t.shape) == 2 and block > 1 and \
-                (int(t.shape[0]) > block or t.tensor_type.name in REFINE_TYPES):
+                (int(t.shape[0]) > block or t.tensor_type.name in refined):
             differ.append(not np.array_equal(np.asarray(t.data), np.asarray(u.data)))
     assert len(differ) >= 4 and all(differ), differ
     from voodoo.evaluate import run_perplexity

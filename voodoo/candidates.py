@@ -84,8 +84,8 @@ class CandidateKey:
         rounding: ``"ggml"`` (llama-quantize's own bytes) or
             ``"gptq:<damp>:cd<sweeps>:<sha256 of H>"`` (error-feedback rounding with the input
             Hessian H, then ``sweeps`` of coordinate descent for 32-block types,
-            :mod:`voodoo.rounding`); ``cd<sweeps>kd`` for Q4_K, Q5_K and Q6_K, whose quant
-            indices the sweeps move (sub-block scales kept), then their super-block ``d``.
+            :mod:`voodoo.rounding`); ``cd<sweeps>kd<sweeps>`` for Q4_K, Q5_K and Q6_K when
+            :data:`GPTQ_KQUANT_SWEEPS` refines them too.
     """
 
     weights_sha256: str
@@ -211,11 +211,17 @@ def effective_imatrix(imatrix_row: np.ndarray | None, gguf_name: str | None,
 GPTQ_DAMP = 0.05
 
 #: Coordinate-descent sweeps after GPTQ's pass (:func:`voodoo.rounding.refine_columns`) for
-#: the 32-block types and the quant indices of Q4_K/Q5_K/Q6_K: 4 sweeps lower the held-out
-#: output error of Q5_0/Q5_1/IQ4_NL columns by a further 6-11%
-#: (benchmarks/results/rounding/cd_sweeps4/), of Q4_K/Q5_K/Q6_K ffn_down by 10-16%
-#: (benchmarks/results/rounding/cd_kquants/).
+#: the 32-block types: 4 sweeps lower the held-out output error of Q5_0/Q5_1/IQ4_NL columns by
+#: a further 6-11% (benchmarks/results/rounding/cd_sweeps4/) and the KLD end to end
+#: (benchmarks/results/vs_stock_auto/cd48/).
 GPTQ_SWEEPS = 4
+
+#: The same for the quant indices (then the super-block d) of Q4_K/Q5_K/Q6_K: off. It lowers
+#: their held-out output error by 10-18% (benchmarks/results/rounding/cd_kquants_super/) but
+#: not the KLD: at six sizes on two models every file was as good or slightly worse
+#: (vs_stock_auto/cdk48/, cdk48_large/; vs_stock_rotated/cdk48_IQ4_XS/ 0.0399 against
+#: nok48_IQ4_XS/ 0.0397).
+GPTQ_KQUANT_SWEEPS = 0
 
 
 def rounding_tag(hessian: np.ndarray | None, type_name=None, damp: float = GPTQ_DAMP, *,
@@ -227,13 +233,13 @@ def rounding_tag(hessian: np.ndarray | None, type_name=None, damp: float = GPTQ_
     if hessian is None or (type_name is not None and qtype(type_name).block_size == 1):
         return "ggml"
     cd = f":cd{GPTQ_SWEEPS}" if GPTQ_SWEEPS else ""
-    if cd and type_name is not None and qtype(type_name).name in _K_REFINED:
-        cd += "kd"
+    if GPTQ_KQUANT_SWEEPS and type_name is not None and qtype(type_name).name in _K_REFINED:
+        cd += f"kd{GPTQ_KQUANT_SWEEPS}"
     return f"gptq:{damp}{cd}:{_sha or hessian_sha(hessian)}"
 
 
-#: k-quants whose quant indices the sweeps refine (voodoo.rounding.REFINE_TYPES minus the
-#: 32-block types); their tag differs from candidates made before they were refined.
+#: k-quants whose quant indices :data:`GPTQ_KQUANT_SWEEPS` refines
+#: (voodoo.rounding.REFINE_TYPES minus the 32-block types); their tag says so when it is on.
 _K_REFINED = frozenset(["Q4_K", "Q5_K", "Q6_K"])
 
 
@@ -276,8 +282,8 @@ def quantize_candidate(w: np.ndarray, type_name, imatrix_row: np.ndarray | None,
     Hessian ``hessian`` (float32 (n_per_row, n_per_row), ``X^T X`` of the tensor's matmul
     input), with error-feedback rounding (:func:`voodoo.rounding.quantize_feedback`, damping
     :data:`GPTQ_DAMP`; then :data:`GPTQ_SWEEPS` sweeps of coordinate descent for 32-block
-    types and the quant indices of Q4_K/Q5_K/Q6_K): valid blocks of the same type that
-    llama.cpp dequantizes as any other, but not the bytes llama-quantize writes.
+    types, and :data:`GPTQ_KQUANT_SWEEPS` for Q4_K/Q5_K/Q6_K): valid blocks of the same type
+    that llama.cpp dequantizes as any other, but not the bytes llama-quantize writes.
 
     Args:
         w: float32 (n_rows, n_per_row), GGUF layout (read-only arrays are fine).
@@ -336,7 +342,7 @@ def _quantize_feedback(w: np.ndarray, t, imatrix_row, gguf_name, hessian) -> np.
     if not np.isfinite(w).all():
         raise ValueError("non-finite weights")
     return quantize_feedback(w, t.name, im, h, damp=GPTQ_DAMP, u=_inverse_cholesky(h),
-                             sweeps=GPTQ_SWEEPS)
+                             sweeps=GPTQ_SWEEPS, kquant_sweeps=GPTQ_KQUANT_SWEEPS)
 
 
 _U_CACHE: dict[str, np.ndarray] = {}

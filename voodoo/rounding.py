@@ -539,12 +539,14 @@ def _refine_chunk(w, q, d, m, hd, lvp, has_min, sweeps, scales, bs=32):
 
 def quantize_feedback(w: np.ndarray, qtype, imatrix: np.ndarray | None, h: np.ndarray, *,
                       method: str = "auto", damp: float = 0.01, importance: str = "imatrix",
-                      u: np.ndarray | None = None, sweeps: int = 0) -> np.ndarray:
+                      u: np.ndarray | None = None, sweeps: int = 0,
+                      kquant_sweeps: int = 0) -> np.ndarray:
     """Error-feedback bytes of ``w`` as ``qtype``: ``method="columns"`` (:func:`gptq_columns`,
     32-block types of :data:`COLUMN_TYPES`), ``"blocks"`` (:func:`gptq_blocks`, every type) or
     ``"auto"`` (columns where possible). ``sweeps`` > 0: the columns' bytes are then refined
-    by :func:`refine_columns` (that many sweeps, the same ``damp``), for the blocks' bytes of
-    the k-quants in :data:`REFINE_TYPES` too; no effect on other types."""
+    by :func:`refine_columns` (that many sweeps, the same ``damp``); ``kquant_sweeps`` > 0:
+    the blocks' bytes of the k-quants in :data:`REFINE_TYPES` likewise; no effect on other
+    types."""
     name = _ggml().type_name(qtype)
     if method == "auto":
         method = "columns" if name in _LAYOUT else "blocks"
@@ -554,8 +556,8 @@ def quantize_feedback(w: np.ndarray, qtype, imatrix: np.ndarray | None, h: np.nd
         return refine_columns(w, q, name, h, damp=damp, sweeps=sweeps) if sweeps > 0 else q
     if method == "blocks":
         q = gptq_blocks(w, name, imatrix, h, damp=damp, importance=importance, u=u)
-        if sweeps > 0 and name in _KLAYOUT:
-            q = refine_columns(w, q, name, h, damp=damp, sweeps=sweeps)
+        if kquant_sweeps > 0 and name in _KLAYOUT:
+            q = refine_columns(w, q, name, h, damp=damp, sweeps=kquant_sweeps)
         return q
     raise ValueError(f"method must be auto, columns or blocks, got {method!r}")
 
