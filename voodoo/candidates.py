@@ -41,6 +41,7 @@ from typing import Iterable, NamedTuple
 import numpy as np
 import pyarrow as pa
 
+from . import rounding as _rounding
 from .llamacpp import cache_root, llama_cpp_commit
 from .quants import qtype, requires_imatrix
 
@@ -238,9 +239,9 @@ def rounding_tag(hessian: np.ndarray | None, type_name=None, damp: float = GPTQ_
     return f"gptq:{damp}{cd}:{_sha or hessian_sha(hessian)}"
 
 
-#: k-quants whose quant indices :data:`GPTQ_KQUANT_SWEEPS` refines
-#: (voodoo.rounding.REFINE_TYPES minus the 32-block types); their tag says so when it is on.
-_K_REFINED = frozenset(["Q4_K", "Q5_K", "Q6_K"])
+#: k-quants whose quant indices :data:`GPTQ_KQUANT_SWEEPS` refines; their tag says so when it
+#: is on.
+_K_REFINED = frozenset(_rounding.REFINE_TYPES) - frozenset(_rounding.COLUMN_TYPES)
 
 
 def hessian_sha(hessian: np.ndarray) -> str:

@@ -54,10 +54,10 @@ _OFFSET = {"Q4_0": 8, "Q5_0": 16, "Q8_0": 0, "Q4_1": 0, "Q5_1": 0}
 COLUMN_TYPES = tuple(_LAYOUT)
 
 #: 256-block k-quants whose quant indices :func:`refine_columns` moves (their sub-block scales
-#: and mins stay): type -> (bytes per block, sub-block size, first level). Layouts and
+#: and mins stay): type -> (bytes per block, sub-block size, first level, levels). Layouts and
 #: dequantization: ``block_q4_K``/``block_q5_K``/``block_q6_K`` (ggml-common.h),
 #: ``dequantize_row_q4_K``/``_q5_K``/``_q6_K`` (ggml-quants.c).
-_KLAYOUT = {"Q4_K": (144, 32, 0), "Q5_K": (176, 32, 0), "Q6_K": (210, 16, -32)}
+_KLAYOUT = {"Q4_K": (144, 32, 0, 16), "Q5_K": (176, 32, 0, 32), "Q6_K": (210, 16, -32, 64)}
 #: Every type :func:`refine_columns` refines.
 REFINE_TYPES = COLUMN_TYPES + tuple(_KLAYOUT)
 
@@ -288,7 +288,7 @@ def _decode_k(data: np.ndarray, name: str):
     """(D, m, q) of k-quant rows, ``deq = D·(q + first level) + m`` per sub-block: D, m float64
     (rows, n_sub) holding the float32 values ggml computes (``d * sc``, ``-dmin * m``), q int64
     (rows, n_sub, sub-block size) the quant indices (from 0)."""
-    ts, bs, _ = _KLAYOUT[name]
+    ts = _KLAYOUT[name][0]
     rows = data.shape[0]
     b = np.ascontiguousarray(data, dtype=np.uint8).reshape(rows, -1, ts)
     nsb = b.shape[1]
@@ -322,7 +322,7 @@ def _decode_k(data: np.ndarray, name: str):
 def _encode_k(data: np.ndarray, name: str, q: np.ndarray) -> np.ndarray:
     """``data`` (k-quant rows) with its quant indices replaced by ``q`` (rows, n_sub, sub-block
     size); scales, mins and super-block scales are copied."""
-    ts, _, _ = _KLAYOUT[name]
+    ts = _KLAYOUT[name][0]
     rows = data.shape[0]
     b = np.array(data, dtype=np.uint8).reshape(rows, -1, ts)
     nsb = b.shape[1]
@@ -343,11 +343,10 @@ def _encode_k(data: np.ndarray, name: str, q: np.ndarray) -> np.ndarray:
 
 
 def _refine_k(w, data, name, hd, sweeps, scales=True):
-    ts, bs, first = _KLAYOUT[name]
-    rows, cols = w.shape
+    _, bs, first, levels = _KLAYOUT[name]
+    rows = w.shape[0]
     dd, mm, q = _decode_k(data, name)
-    qmax = (15, 31, 63)[("Q4_K", "Q5_K", "Q6_K").index(name)]
-    lv = np.arange(first, first + qmax + 1, dtype=np.float64)
+    lv = np.arange(first, first + levels, dtype=np.float64)
     lvp = np.concatenate([lv[:1], lv, lv[-1:]])
     w64 = np.asarray(w, dtype=np.float64)
     qo = np.empty_like(q)
@@ -363,7 +362,7 @@ def _refit_k_super(w64, data, name, hd):
     """Moves each super-block's float16 ``d`` (and ``dmin``) of k-quant rows to its
     least-squares value under ``hd`` with the quant indices and sub-block scales fixed, where
     that lowers ``tr(E hd E^T)`` (the sign of ``d``/``dmin`` is kept)."""
-    ts, bs, first = _KLAYOUT[name]
+    ts, bs, first, _ = _KLAYOUT[name]
     rows, cols = w64.shape
     b = np.array(data, dtype=np.uint8).reshape(rows, -1, ts)
     nsb = b.shape[1]
@@ -401,7 +400,6 @@ def _refit_k_super(w64, data, name, hd):
             cur = np.where(acc, new, cur)
             b[:, k, off:off + 2] = cur.astype(np.float16)[:, None].view(np.uint8)
     return b.reshape(data.shape)
-
 
 
 def refine_columns(w: np.ndarray, data: np.ndarray, qtype, h: np.ndarray, *,
