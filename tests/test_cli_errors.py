@@ -164,6 +164,31 @@ def _model_gguf(path, model=None):
     return path
 
 
+def test_eval_split_too_short_for_llama_perplexity_is_refused_before_work(tmp_path,
+                                                                        monkeypatch):
+    """Without --eval_text and ../shared's WikiText, llama-perplexity scores the eval split;
+    one too short for --ctx used to fail after training with llama.cpp's own message ("you need
+    at least 256 tokens"). Now: one line before the model loads, naming the flags that fix it;
+    enough blocks, or an --eval_text, pass the check."""
+    from voodoo import cli
+    monkeypatch.setattr(cli, "_default_eval_text", lambda: None)
+    out = tmp_path / "out"
+    argv = ["run", "--model", str(tmp_path / "not-loaded"), "--output_dir", str(out), *SMALL,
+            "--ctx", "128", "--chunks", "2"]
+    rc, _, err = run_cli(argv)
+    line = error_line(rc, err, "run")
+    assert "2 blocks x 64 tokens = 128 tokens" in line and "--ctx 128" in line, line
+    assert "--eval_text" in line and "--n_eval_blocks" in line, line
+    nothing_written(out)
+    ok = cli._check_eval_split_length
+    from types import SimpleNamespace
+    ok(SimpleNamespace(eval_text=None, ctx=128, chunks=2, n_eval_blocks=4, seq_len=64))
+    ok(SimpleNamespace(eval_text="x.txt", ctx=128, chunks=2, n_eval_blocks=2, seq_len=64))
+    with pytest.raises(cli.UsageError, match="it needs 256"):
+        # 4 chunks of 64 hold only 2 usable: 2 x 31 = 62 scored tokens < 100
+        ok(SimpleNamespace(eval_text=None, ctx=64, chunks=4, n_eval_blocks=2, seq_len=64))
+
+
 def test_eval_refuses_to_score_a_gguf_against_a_model_it_was_not_made_from(tmp_path, capsys):
     """Without --model, a GGUF that records no voodoo.model used to be scored against the
     default model, and several GGUFs against the first one's model, as valid-looking rows

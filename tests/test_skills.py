@@ -47,7 +47,7 @@ HELP_MARK = "<!-- check: help -->"
 #: (flag, value or None for a switch, commands it applies to or None for any that has it):
 #: appended by the shim in the slow test so the skills' commands run in seconds.
 SMALL = (("--seq_len", "64", None), ("--n_train_blocks", "8", None),
-         ("--n_eval_blocks", "2", None), ("--imatrix_blocks", "4", None),
+         ("--n_eval_blocks", "5", None), ("--imatrix_blocks", "4", None),
          ("--fisher_blocks", "2", None), ("--max_steps", "2", None),
          ("--partial_save_interval", "1", None), ("--no_ray", None, None),
          ("--ctx", "128", ("run", "eval")), ("--chunks", "2", ("run", "eval")),

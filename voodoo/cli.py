@@ -293,6 +293,30 @@ def _check_inputs_early(a) -> None:
         _match_size_target(a.match_size)
 
 
+def _check_eval_split_length(a) -> None:
+    """Without --eval_text and ../shared/data/wikitext-2-raw-test.txt, llama-perplexity scores
+    the decoded eval split: ``n_eval_blocks * seq_len`` tokens. Refuses, before any work, a split
+    too short for ``--ctx``/``--chunks``: llama-perplexity (``tools/perplexity``) stops below
+    ``2 * ctx`` tokens, uses ``tokens // ctx`` chunks, and prints no KLD below 100 scored tokens
+    (each chunk scores its second half, ``ctx - 1 - ctx // 2`` tokens). Raises UsageError."""
+    if getattr(a, "eval_text", None) or _default_eval_text() is not None:
+        return
+    ctx, chunks = getattr(a, "ctx", None), getattr(a, "chunks", None)
+    n, seq = getattr(a, "n_eval_blocks", None), getattr(a, "seq_len", None)
+    if not (ctx and chunks and n is not None and seq):
+        return
+    tokens = n * seq
+    used = min(chunks, tokens // ctx)
+    if used >= 2 and used * (ctx - 1 - ctx // 2) >= 100:
+        return
+    need = max(2, min(chunks, -(-100 // (ctx - 1 - ctx // 2)))) * ctx
+    raise UsageError(
+        f"no --eval_text and no ../shared/data/wikitext-2-raw-test.txt: llama-perplexity would "
+        f"score the eval split of --data_name, {n} blocks x {seq} tokens = {tokens} tokens, "
+        f"too few for --ctx {ctx} --chunks {chunks} (it needs {need}): pass --eval_text FILE, "
+        f"raise --n_eval_blocks to {-(-need // seq) + 1}, or lower --ctx")
+
+
 def _match_size_target(value) -> int | str:
     """``--match_size``: a number of bytes (int; ``_`` separators allowed) or a llama.cpp file
     type (its upper-case name). Raises UsageError for anything else."""
@@ -1209,6 +1233,8 @@ def _train(argv, run_all=False):
     _check_ray_flags(a)
     _check_train_numbers(a)
     _check_inputs_early(a)
+    if run_all:
+        _check_eval_split_length(a)
     from .bake import parse_tensor_upgrades
     rules = parse_tensor_upgrades(a.tensor_upgrades)  # malformed JSON / regex: fail now
     r = Run(a)
@@ -1450,6 +1476,8 @@ def _eval(argv):
     for k, v in data_defaults.items():
         if getattr(a, k) is None:
             setattr(a, k, v)
+    if a.gguf:
+        _check_eval_split_length(a)
     from .evaluate import format_table, run_perplexity, save_report
     rows = []
     if a.assignment:
