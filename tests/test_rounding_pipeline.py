@@ -209,3 +209,44 @@ def test_auto_rounding_keeps_the_better_bytes_per_pair(tiny_fixed, tmp_path):
                           "--output_name", "c"])
     assert rc == 0, err[-3000:]
     assert (out / "c.gguf").read_bytes() == (out / "a.gguf").read_bytes()
+
+
+def test_rounding_choice_shows_progress_and_keeps_what_it_scored(tiny_fixed, tmp_path,
+                                                                  monkeypatch):
+    """The held-out scoring of both roundings (minutes on a real model) prints progress lines,
+    and a run stopped partway (Ctrl-C) keeps the pairs it scored in rounding.json: the rerun
+    scores only the rest, to the same table."""
+    import json
+
+    import voodoo.rounding as vr
+    args = ["train", "--model", str(tiny_fixed), "--seq_len", "64", "--n_train_blocks", "8",
+            "--n_eval_blocks", "4", "--imatrix_blocks", "4", "--hessian_blocks", "8",
+            "--no_ray", "--seed", "0", "--candidate_types", "Q8_0,Q5_0,IQ4_NL,Q4_K,Q2_K",
+            "--compression_ratio", "0.5", "--max_steps", "1", "--rounding", "auto"]
+    real, calls = vr.proxy_error, {"n": 0, "stop": None}
+
+    def counted(*a, **k):
+        calls["n"] += 1
+        if calls["stop"] is not None and calls["n"] > calls["stop"]:
+            raise KeyboardInterrupt
+        return real(*a, **k)
+    monkeypatch.setattr(vr, "proxy_error", counted)
+    full = tmp_path / "full"
+    rc, _, err = run_cli([*args, "--output_dir", str(full)])
+    assert rc == 0, err[-3000:]
+    assert "rounding choice: held-out error of both roundings: done in" in err, err[-3000:]
+    table = json.loads((full / "rounding.json").read_text())["tensors"]
+    n_pairs = sum(e["proxy"] == "output_error" for pt in table.values() for e in pt.values())
+    assert calls["n"] == 2 * n_pairs and n_pairs >= 6
+    part = tmp_path / "part"
+    calls.update(n=0, stop=2 * (n_pairs // 2))  # stop in the middle
+    rc, _, err = run_cli([*args, "--output_dir", str(part)])
+    assert rc == 130, err[-3000:]
+    kept = json.loads((part / "rounding.json").read_text())["tensors"]
+    n_kept = sum(e["proxy"] == "output_error" for pt in kept.values() for e in pt.values())
+    assert n_kept == n_pairs // 2
+    calls.update(n=0, stop=None)
+    rc, _, err = run_cli([*args, "--output_dir", str(part)])
+    assert rc == 0, err[-3000:]
+    assert calls["n"] == 2 * (n_pairs - n_kept)
+    assert json.loads((part / "rounding.json").read_text())["tensors"] == table

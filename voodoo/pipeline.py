@@ -516,8 +516,7 @@ def choose_rounding(ctx: Context, menus, imatrix, cache: CandidateCache, hessian
         if saved.get("heldout") != heldout_id:
             saved = {}
     table = saved.get("tensors", {})
-    weights = None
-    changed = False
+    todo = []  # (spec, type, kind): the pairs whose saved score is missing or stale
     for s in ctx.specs:
         n = s.gguf_name
         hh = heldout.get(n) if heldout else None
@@ -530,6 +529,24 @@ def choose_rounding(ctx: Context, menus, imatrix, cache: CandidateCache, hessian
             if ent and ent.get("ggml_key") == kg.digest and \
                     ent.get("feedback_key") == kf.digest and ent.get("proxy") == kind:
                 continue
+            todo.append((s, t, kind))
+    weights = None
+    changed = False
+    from .progress import Progress
+
+    def save():
+        if path is not None and changed:
+            tmp = path.with_name(f".{path.name}.partial-{os.getpid()}")
+            tmp.write_text(json.dumps({"heldout": heldout_id, "tensors": table}, indent=1))
+            os.replace(tmp, path)
+
+    prog = Progress(len(todo), "rounding choice: held-out error of both roundings",
+                    unit="pair") if todo else None
+    finished = False
+    try:
+        for s, t, kind in todo:
+            n = s.gguf_name
+            kg, kf = keys_g[(n, t)], keys_f[(n, t)]
             if weights is None:
                 weights = base_weights(ctx.prepared.base_gguf, names=ctx.tmap.names)
             w = weights[n]
@@ -540,15 +557,17 @@ def choose_rounding(ctx: Context, menus, imatrix, cache: CandidateCache, hessian
                     head_x = head_x()
                 eg, ef = logit_kl(w, [dg, df], head_x)
             else:
-                eg, ef = proxy_error(w, dg, hh), proxy_error(w, df, hh)
+                eg, ef = proxy_error(w, dg, heldout[n]), proxy_error(w, df, heldout[n])
             table.setdefault(n, {})[t] = {"ggml": eg, "feedback": ef, "proxy": kind,
                                           "choice": "feedback" if ef < eg else "ggml",
                                           "ggml_key": kg.digest, "feedback_key": kf.digest}
             changed = True
-    if path is not None and changed:
-        tmp = path.with_name(f".{path.name}.partial-{os.getpid()}")
-        tmp.write_text(json.dumps({"heldout": heldout_id, "tensors": table}, indent=1))
-        os.replace(tmp, path)
+            prog.update(1, note=f"{n} {t}")
+        finished = True
+    finally:  # an interrupted run keeps the pairs it scored (the next run scores the rest)
+        save()
+        if prog is not None:
+            prog.close(ok=finished)
     out: dict[str, list[str]] = {}
     won = total = 0
     for s in ctx.specs:
