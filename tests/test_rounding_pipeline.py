@@ -209,6 +209,11 @@ def test_auto_rounding_keeps_the_better_bytes_per_pair(tiny_fixed, tmp_path):
                           "--output_name", "c"])
     assert rc == 0, err[-3000:]
     assert (out / "c.gguf").read_bytes() == (out / "a.gguf").read_bytes()
+    fields = read_gguf(out / "a.gguf").fields
+    assert str(bytes(fields["voodoo.rounding"].parts[-1]), "utf8") == "auto"
+    assert int(fields["voodoo.rounding.tensor_count"].parts[-1][0]) == sum(
+        1 for n, v in asg["tensors"].items()
+        if table.get(n, {}).get(v["type"], {}).get("choice") == "feedback")
 
 
 def test_rounding_choice_shows_progress_and_keeps_what_it_scored(tiny_fixed, tmp_path,

@@ -843,7 +843,10 @@ def export(ctx: Context, assignment, keys, cache: CandidateCache, out_path,
     own = sorted(n for n, v in assignment["tensors"].items()
                  if getattr(keys.get((n, v["type"])), "rounding", "ggml") != "ggml")
     if own:
-        extra_kv = {**(extra_kv or {}), "voodoo.rounding": "gptq",
+        # the run's mode ("gptq", or "auto": per tensor and type, whichever bytes won on
+        # held-out blocks); the count says how many tensors hold error-feedback bytes
+        mode = (assignment.get("provenance") or {}).get("rounding") or "gptq"
+        extra_kv = {**(extra_kv or {}), "voodoo.rounding": str(mode),
                     "voodoo.rounding.tensor_count": len(own)}
     p = export_gguf(ctx.prepared.base_gguf, assignment, lookup, out_path, extra_kv=extra_kv)
     tt = write_tensor_type_file(assignment, out_path.with_suffix(".tensor-types.txt"),
