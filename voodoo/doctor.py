@@ -94,10 +94,12 @@ def run(out=sys.stdout, model: str | None = None) -> int:
     line("voodoo", f"{_P(__file__).resolve().parent} (the source this command runs)")
     line("python", f"{platform.python_version()} ({sys.executable})")
     line("platform", f"{platform.platform()}, {os.cpu_count()} cores")
+    gpu = False
     try:
         import torch
         line("torch", torch.__version__)
-        if torch.cuda.is_available():
+        gpu = torch.cuda.is_available()
+        if gpu:
             kind = "ROCm " + torch.version.hip if getattr(torch.version, "hip", None) \
                 else "CUDA " + str(torch.version.cuda)
             gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
@@ -152,8 +154,13 @@ def run(out=sys.stdout, model: str | None = None) -> int:
         problems.append(f"llama.cpp tools missing ({', '.join(missing)}): run `voodoo "
                         "bootstrap` (builds only what is missing; a few minutes on 2 cores) "
                         "or set VOODOO_LLAMA_CPP=/path/to/llama.cpp/build")
-    for k, v in vendor_env().items():
-        line(f"env {k}", f"{os.environ.get(k, '(unset)')} (voodoo tp sets {v})")
+    env = vendor_env()
+    if gpu or any(k in os.environ for k in env):
+        for k, v in env.items():
+            line(f"env {k}", f"{os.environ.get(k, '(unset)')} (voodoo tp sets {v})")
+    else:  # GPU/NCCL settings: noise on a CPU machine where none is set
+        line("GPU/NCCL env", f"{len(env)} variables, none set; voodoo tp sets them on GPU "
+                             "workers")
     if cython_ggml is not None:
         try:
             bad = self_check()
