@@ -517,3 +517,50 @@ def test_eval_assignment_reuses_the_runs_data_settings(tmp_path):
     cli._data_of_run(a)
     assert (a.data_name, a.seq_len, a.n_train_blocks, a.n_eval_blocks, a.seed) == \
         ("cal.jsonl", 64, 8, 4, 3)
+
+
+@pytest.mark.parametrize("content", ['{"a": 1}', '{"tensors": {"x": 1}}', "{\n", b"GGUF\x80\x00"])
+def test_a_file_that_is_no_assignment_is_refused_before_any_work(tmp_path, content):
+    """export/eval --assignment with a readable file that is not an assignment (no "tensors",
+    cut off, a GGUF) used to load the default model, write data and an imatrix beside it, and
+    then end in a traceback or a JSON message without the file's name."""
+    f = tmp_path / "x.assignment.json"
+    f.write_bytes(content if isinstance(content, bytes) else content.encode())
+    for cmd in ("export", "eval"):
+        rc, _, err = run_cli([cmd, "--assignment", str(f)])
+        line = error_line(rc, err, cmd)
+        assert str(f) in line and "assignment.json that voodoo train wrote" in line, line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x.assignment.json"]
+
+
+def test_budget_device_and_eval_text_mistakes_fail_before_the_model_loads(tmp_path):
+    """--match_size with --compression_ratio (the ratio was silently ignored), a CUDA device
+    on a torch without one, and a folder as --eval_text: one line each, nothing written."""
+    import torch
+    out = tmp_path / "out"
+    base = ["--model", str(tmp_path / "not-loaded"), "--output_dir", str(out), *SMALL]
+    rc, _, err = run_cli(["train", *base, "--match_size", "Q4_K_M", "--compression_ratio", "0.5"])
+    line = error_line(rc, err)
+    assert "--match_size and --compression_ratio both set a budget" in line, line
+    rc, _, err = run_cli(["run", *base, "--eval_text", str(tmp_path)])
+    assert "a folder; give a text file" in error_line(rc, err, "run")
+    rc, _, err = run_cli(["train", *base, "--device", "banana"])
+    assert "--device banana" in error_line(rc, err)
+    if not torch.cuda.is_available():
+        rc, _, err = run_cli(["train", *base, "--device", "cuda"])
+        line = error_line(rc, err)
+        assert "sees no CUDA device" in line and "--device cpu" in line, line
+    nothing_written(out)
+
+
+def test_run_refuses_an_eval_text_too_short_before_training(tiny_fixed, tmp_path):  # noqa: F811
+    """run --eval_text with fewer tokens than llama-perplexity's 2 x --ctx: refused after the
+    tokenizer loads, before data, candidates and training (it failed at the very end)."""
+    short = tmp_path / "short.txt"
+    short.write_text("hello world")
+    out = tmp_path / "out"
+    rc, _, err = run_cli(["run", "--model", str(tiny_fixed), "--output_dir", str(out), *SMALL,
+                          "--eval_text", str(short), "--ctx", "128", "--chunks", "2"])
+    line = error_line(rc, err, "run")
+    assert "short.txt" in line and "needs at least 256" in line, line
+    assert not (out / "data").exists() and not (out / "train").exists()

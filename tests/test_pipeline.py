@@ -214,6 +214,19 @@ def test_eval_prints_table_and_writes_report(tiny_run, tmp_path):
 
 
 @pytest.mark.slow
+def test_eval_in_a_run_folder_keeps_its_data(tiny_run, monkeypatch):
+    """``eval --gguf X --output_dir RUN`` without WikiText scores the run's own eval split: the
+    folder's data settings (data/meta.json), not the defaults rebuilt over the run's data."""
+    monkeypatch.setattr(cli, "_default_eval_text", lambda: None)
+    meta = tiny_run["out"] / "data" / "meta.json"
+    before = meta.read_bytes()
+    rc, _, stderr = run_cli(["eval", "--model", str(tiny_run["model"]), "--gguf",
+                             str(tiny_run["gguf"]), "--output_dir", str(tiny_run["out"]), *EVAL])
+    assert rc == 0, stderr[-3000:]
+    assert "(5 blocks)" in stderr and meta.read_bytes() == before
+
+
+@pytest.mark.slow
 @pytest.mark.ray
 def test_precache_through_ray_equals_local(tiny_run, tmp_path):
     """The candidates of one layer built by Ray actors (cluster.precache.precache_ray, a fresh

@@ -149,6 +149,11 @@ def _train_flags(ap):
                     help="fisher: the median tensor's logit margin; budget: logits per bit")
     ap.add_argument("--fisher_blocks", type=int, default=8,
                     help="calibration blocks for the Fisher diagonal (gate_init fisher)")
+    ap.add_argument("--activation_rounding", default="cpu", choices=["cpu", "none"],
+                    help="gate_init fisher: also price the activation rounding llama.cpp's CPU "
+                         "backend does per weight type (Q8_K per 256 values for K/IQ types, "
+                         "per 32 for the 32-block types), relative to the reference's own "
+                         "(voodoo.actround); 'none': weight error only")
     ap.add_argument("--output_name", default=None,
                     help="file stem (default <Model>.VoodooNN_<badge>)")
     ap.add_argument("--device", default="cpu",
@@ -207,6 +212,19 @@ def _check_train_numbers(a) -> None:
         v = getattr(a, k, None)
         if v is not None and not (v > 0 and math.isfinite(v)):
             raise UsageError(f"--{k} must be a finite number > 0, got {v}")
+    dev = getattr(a, "device", None)
+    if dev and dev != "cpu":
+        import torch
+        try:
+            d = torch.device(dev)
+        except RuntimeError as e:
+            raise UsageError(f"--device {dev}: {e}") from None
+        if d.type == "cuda" and not torch.cuda.is_available():
+            raise UsageError(f"--device {dev}: torch {torch.__version__} sees no CUDA device "
+                             "(voodoo doctor shows the accelerator); use --device cpu")
+        if d.type == "cuda" and d.index is not None and d.index >= torch.cuda.device_count():
+            raise UsageError(f"--device {dev}: only {torch.cuda.device_count()} CUDA "
+                             "device(s)")
 
 
 def _check_model_gguf(path, flag: str = "--gguf") -> None:
@@ -291,6 +309,14 @@ def _check_inputs_early(a) -> None:
                          "--ctx")
     if getattr(a, "match_size", None):
         _match_size_target(a.match_size)
+        given = [f for f in ("compression_ratio", "target_bits")
+                 if getattr(a, f, None) is not None]
+        if given:
+            raise UsageError(f"--match_size and --{given[0]} both set a budget; give one")
+    text = getattr(a, "eval_text", None)
+    if text and not Path(text).is_file():
+        raise UsageError(f"--eval_text {text}: no such file"
+                         + (" (a folder; give a text file)" if Path(text).is_dir() else ""))
 
 
 def _check_eval_split_length(a) -> None:
@@ -315,6 +341,18 @@ def _check_eval_split_length(a) -> None:
         f"score the eval split of --data_name, {n} blocks x {seq} tokens = {tokens} tokens, "
         f"too few for --ctx {ctx} --chunks {chunks} (it needs {need}): pass --eval_text FILE, "
         f"raise --n_eval_blocks to {-(-need // seq) + 1}, or lower --ctx")
+
+
+def _check_eval_text_tokens(a, tokenizer) -> None:
+    """``run --eval_text FILE``: a text too short for llama-perplexity's ``--ctx`` (at least
+    ``2 * ctx`` tokens, see :func:`_check_eval_split_length`) is refused before training,
+    counted with the model's tokenizer. Raises UsageError."""
+    text = Path(a.eval_text).read_text(encoding="utf-8", errors="replace")
+    n = len(tokenizer(text).input_ids) if text.strip() else 0
+    if n < 2 * a.ctx:
+        raise UsageError(f"--eval_text {a.eval_text}: {n} tokens, but llama-perplexity -c "
+                         f"{a.ctx} needs at least {2 * a.ctx}: give a longer text or lower "
+                         "--ctx")
 
 
 def _match_size_target(value) -> int | str:
@@ -1018,7 +1056,9 @@ class Run:
                                 self.train_blocks[: cfg.fisher_blocks], int(self.budget),
                                 strength=cfg.gate_init_strength, seed=cfg.seed,
                                 report_path=self.out / "train" / "sensitivity.json",
-                                hessians=hs)
+                                hessians=hs,
+                                activation_rounding=getattr(self.a, "activation_rounding",
+                                                            "cpu"))
 
     def train_ray(self, cfg):
         """Gate training under Ray Train (:func:`cluster.train.run_training`) with
@@ -1239,6 +1279,8 @@ def _train(argv, run_all=False):
     rules = parse_tensor_upgrades(a.tensor_upgrades)  # malformed JSON / regex: fail now
     r = Run(a)
     r.context()
+    if run_all and a.eval_text:
+        _check_eval_text_tokens(a, r.ctx.tokenizer)
     _check_upgrade_patterns(rules, [s.gguf_name for s in r.ctx.specs])
     r.menus_and_budget()  # an unreachable budget fails before data, imatrix and candidates
     _check_tp_early(r)  # a split that cuts quant blocks too (before precache and Fisher)
@@ -1319,10 +1361,29 @@ def _check_journal_early(train_dir: Path) -> None:
 def _assignment_run_folder(a) -> None:
     """``--assignment A`` without ``--output_dir``: the run folder is A's own folder (its data
     and imatrix), not ``runs/<model name>``, where data and an imatrix would be made anew."""
-    if not Path(a.assignment).is_file():
-        raise UsageError(f"--assignment {a.assignment}: no such file")
+    _read_assignment(a.assignment)  # a file that is no assignment: refused before any work
     if not a.output_dir:
         a.output_dir = str(Path(a.assignment).resolve().parent)
+
+
+def _read_assignment(path) -> dict:
+    """The ``<name>.assignment.json`` that ``voodoo train`` writes, parsed and checked (a
+    ``tensors`` object whose entries have a ``type``). Raises UsageError naming the file."""
+    p = Path(path)
+    if not p.is_file():
+        raise UsageError(f"--assignment {path}: no such file")
+    try:
+        asg = json.loads(p.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise UsageError(f"--assignment {path} is not JSON ({e}); give the "
+                         "<name>.assignment.json that voodoo train wrote") from None
+    t = asg.get("tensors") if isinstance(asg, dict) else None
+    if not isinstance(t, dict) or not t or \
+            not all(isinstance(v, dict) and "type" in v for v in t.values()):
+        raise UsageError(f"--assignment {path} is not a Voodoo assignment (no \"tensors\" "
+                         "with a \"type\" each); give the <name>.assignment.json that voodoo "
+                         "train wrote")
+    return asg
 
 
 #: the dataset flags (:func:`_data_flags`) a run's ``data/meta.json`` records
@@ -1418,7 +1479,7 @@ def _export(argv):
             setattr(a, k, v)
     r = Run(a)
     r.context()
-    asg = json.loads(Path(a.assignment).read_text())
+    asg = _read_assignment(a.assignment)
     made_from = (asg.get("provenance") or {}).get("model")
     if made_from and made_from != r.model_id():
         from .provenance import ProvenanceError, _short
@@ -1472,7 +1533,8 @@ def _eval(argv):
     _check_inputs_early(a)
     if a.assignment:
         _assignment_run_folder(a)
-        _data_of_run(a)
+    if a.assignment or a.output_dir or a.data_dir:
+        _data_of_run(a)  # a run folder's data settings, not the defaults over its data
     for k, v in data_defaults.items():
         if getattr(a, k) is None:
             setattr(a, k, v)
@@ -1534,7 +1596,7 @@ def _eval_torch(a) -> dict:
     from .pipeline import assign_student, build_student, build_teacher, ensure_candidates
     if not Path(a.assignment).is_file():
         raise UsageError(f"--assignment {a.assignment}: no such file")
-    asg = json.loads(Path(a.assignment).read_text())
+    asg = _read_assignment(a.assignment)
     r = Run(a)
     r.context()
     r.data()

@@ -746,7 +746,7 @@ def _weights_fingerprint(model: torch.nn.Module, tmap: TensorMap) -> str:
 def fisher_prior(ctx: Context, teacher: torch.nn.Module, menus, keys, cache: CandidateCache,
                  blocks: torch.Tensor, budget: int, *, strength: float = 2.0, seed: int = 0,
                  fisher_cache_dir=None, report_path=None, progress: bool = True,
-                 hessians=None) -> dict[str, torch.Tensor]:
+                 hessians=None, activation_rounding: str = "cpu") -> dict[str, torch.Tensor]:
     """The ``--gate_init fisher`` starting logits (:mod:`voodoo.sensitivity`).
 
     The Fisher diagonal is computed on ``teacher`` (an ordinary HF model; call before
@@ -758,6 +758,9 @@ def fisher_prior(ctx: Context, teacher: torch.nn.Module, menus, keys, cache: Can
     Hessian in ``hessians`` (gguf_name -> (n_per_row, n_per_row), :func:`ensure_hessians`)
     is scored with the input correlation put back
     (:func:`voodoo.sensitivity.correlated_distortion`), which error-feedback candidates need.
+    ``activation_rounding="cpu"`` adds to ``D`` the predicted KL of the activation rounding
+    llama.cpp's CPU backend does for each candidate type, relative to the reference tensor's
+    own (:mod:`voodoo.actround`; forward passes over ``blocks``); ``"none"`` leaves it out.
     ``report_path``: where to
     write ``{"mu_nats_per_byte", "choice_bytes", "predicted_kl", "lagrangian_bytes",
     "lagrangian_predicted_kl", "tensors": {name: {"menu", "bytes", "dkl", "choice"}}, ...}``
@@ -787,6 +790,13 @@ def fisher_prior(ctx: Context, teacher: torch.nn.Module, menus, keys, cache: Can
         else:
             dist.update(distortion_table({s.gguf_name: f}, {s.gguf_name: cands},
                                          {s.gguf_name: ref}))
+    act = {}
+    if activation_rounding == "cpu":
+        act = _activation_costs(ctx, teacher, menus, fisher, blocks)
+        for n, costs in act.items():
+            dist[n] = [d + costs.get(_vdt(t), 0.0) for d, t in zip(dist[n], menus[n])]
+    elif activation_rounding != "none":
+        raise ValueError(f"activation_rounding={activation_rounding!r}: use 'cpu' or 'none'")
     logits = fisher_gate_logits(dist, table, budget, strength)
     if report_path is not None:
         mu, hull = lagrangian_choice(dist, table, budget)
@@ -795,6 +805,9 @@ def fisher_prior(ctx: Context, teacher: torch.nn.Module, menus, keys, cache: Can
                "fisher_blocks": int(blocks.shape[0]), "tokens_per_block": int(blocks.shape[1]),
                "strength": strength, "seed": seed,
                "input_correlated": sorted(n for n in dist if n in hessians),
+               "activation_rounding": activation_rounding,
+               "activation_cost": {n: {t: act[n].get(_vdt(t), 0.0) for t in menus[n]}
+                                   for n in sorted(act)},
                "choice_bytes": int(sum(table[n][k] for n, k in choice.items())),
                "predicted_kl": sum(dist[n][k] for n, k in choice.items()),
                "lagrangian_bytes": int(sum(table[n][k] for n, k in hull.items())),
@@ -803,6 +816,42 @@ def fisher_prior(ctx: Context, teacher: torch.nn.Module, menus, keys, cache: Can
                                "choice": menus[n][choice[n]]} for n in sorted(dist)}}
         write_json(report_path, rep)
     return logits
+
+
+def _vdt(type_name: str) -> str | None:
+    from .actround import vec_dot_type
+    try:
+        return vec_dot_type(type_name)
+    except KeyError:
+        return None
+
+
+def _activation_costs(ctx: Context, teacher, menus, fisher, blocks) -> dict:
+    """:func:`voodoo.actround.activation_costs` for every selectable tensor that is one whole
+    HF weight read by ``nn.Linear`` modules (a split or stacked tensor gets none), priced for
+    the classes of its menu against the reference GGUF's type of the same tensor (F32 when
+    the reference lacks it)."""
+    from .actround import activation_costs
+    from .ggufio import read_gguf
+    ref_types = {}
+    try:
+        for t in read_gguf(ctx.prepared.reference_gguf).tensors:
+            ref_types[t.name] = t.tensor_type.name
+    except (OSError, ValueError):
+        pass
+    params, classes, reference = {}, {}, {}
+    tw = dict(teacher.named_parameters(remove_duplicate=False))
+    for s in ctx.specs:
+        e = ctx.tmap[s.gguf_name]
+        lk = e.links[0]
+        w = tw.get(lk.param)
+        if len(e.links) != 1 or lk.cols is not None or lk.transpose or w is None or \
+                w.dim() != 2 or len(lk.p_rows) != w.shape[0]:
+            continue
+        params[s.gguf_name] = lk.param
+        classes[s.gguf_name] = [c for c in (_vdt(t) for t in menus[s.gguf_name]) if c]
+        reference[s.gguf_name] = _vdt(ref_types.get(s.gguf_name, "F32")) or "F32"
+    return activation_costs(teacher, params, classes, reference, fisher, blocks)
 
 
 def train(ctx: Context, teacher, train_blocks, cfg, out_dir, budget=None, **kw):

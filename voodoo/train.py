@@ -463,7 +463,7 @@ def train_gates(student: nn.Module, teacher, train_blocks: torch.Tensor, cfg: Tr
         if diff or int(st["budget_bytes"]) != int(budget):
             raise ValueError(f"{journal} belongs to a different run (differs in "
                              f"{diff or ['budget_bytes']}); use the same settings to resume, "
-                             f"or a fresh output directory")
+                             f"a fresh --output_dir, or delete {journal} to train anew here")
         try:
             load_gate_state(student, st["gates"])
             optimizer.load_state_dict(st["optimizer"])
