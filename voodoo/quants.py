@@ -205,10 +205,13 @@ def build_menu(types, n_per_row: int) -> list[QuantType]:
 
 
 #: Default menus (fine rungs). Attention tensors are small and sensitive, so their menu stops
-#: at IQ2_S; the rest go down to IQ1_S.
+#: at IQ2_S; the rest go down to IQ1_S. The rest also hold Q5_1: a 32-block type, whose matmul
+#: rounds activations per 32 values on llama.cpp's CPU backend instead of per 256 (Q8_K) as
+#: every K/IQ type does (voodoo.actround); at SmolLM2's Q4_K_M size four ffn_down took it and
+#: the KLD went 0.0085 -> 0.0078 (docs/method.md).
 DEFAULT_ATTENTION_MENU = ("Q8_0", "Q6_K", "Q5_K", "Q4_K", "IQ4_XS", "IQ3_S", "IQ2_S")
-DEFAULT_NON_ATTENTION_MENU = ("Q8_0", "Q6_K", "Q5_K", "Q4_K", "IQ4_XS", "IQ3_S", "IQ3_XXS",
-                              "IQ2_S", "IQ2_XXS", "IQ1_S")
+DEFAULT_NON_ATTENTION_MENU = ("Q8_0", "Q6_K", "Q5_K", "Q5_1", "Q4_K", "IQ4_XS", "IQ3_S",
+                              "IQ3_XXS", "IQ2_S", "IQ2_XXS", "IQ1_S")
 
 #: Nominal bits per weight of llama.cpp's file types, from the ``QUANT_OPTIONS`` table of
 #: ``tools/quantize/quantize.cpp``: types described by "N bpw" take N; types described by a
