@@ -564,3 +564,20 @@ def test_run_refuses_an_eval_text_too_short_before_training(tiny_fixed, tmp_path
     line = error_line(rc, err, "run")
     assert "short.txt" in line and "needs at least 256" in line, line
     assert not (out / "data").exists() and not (out / "train").exists()
+
+
+def test_menu_and_upgrade_file_mistakes_name_the_flag_before_the_model_loads(tmp_path):
+    """An empty or unknown --candidate_types (the error named neither flag nor fix, and came
+    after the model was converted) and a missing --tensor_upgrades file (reported as bad JSON)."""
+    out = tmp_path / "out"
+    base = ["--model", str(tmp_path / "not-loaded"), "--output_dir", str(out), *SMALL]
+    rc, _, err = run_cli(["train", *base, "--candidate_types", ""])
+    line = error_line(rc, err)
+    assert "--candidate_types ''" in line and "leave the flag out" in line, line
+    rc, _, err = run_cli(["train", *base, "--non_attention_candidates", "Q8_0,Q4_X"])
+    line = error_line(rc, err)
+    assert "--non_attention_candidates" in line and "'Q4_X'" in line, line
+    rc, _, err = run_cli(["train", *base, "--tensor_upgrades", str(tmp_path / "tu.json")])
+    line = error_line(rc, err)
+    assert "tu.json: no such file" in line, line
+    nothing_written(out)

@@ -61,6 +61,10 @@ def parse_tensor_upgrades(spec) -> list[tuple[re.Pattern, int]]:
         try:
             spec = json.loads(text)
         except json.JSONDecodeError as e:
+            t = text.decode(errors="replace") if isinstance(text, bytes) else str(text)
+            if t.strip().lower().endswith(".json") and not t.lstrip().startswith("["):
+                raise ValueError(f"--tensor_upgrades {t.strip()}: no such file (give a JSON "
+                                 "file or the JSON text itself)") from None
             raise ValueError(f"--tensor_upgrades is not valid JSON ({e}); expected a list like "
                              f'[{{"pattern": "ffn_down", "levels": 1}}]') from None
     if not isinstance(spec, list):

@@ -300,6 +300,14 @@ def _check_inputs_early(a) -> None:
             check_source(a.data_name)
         except DatasetError as e:
             raise UsageError(str(e)) from None
+    from .pipeline import parse_types
+    for flag in ("candidate_types", "attention_candidates", "non_attention_candidates"):
+        v = getattr(a, flag, None)
+        if v is not None:  # a type llama.cpp does not have: refused before the model loads
+            try:
+                parse_types(v)
+            except (KeyError, ValueError) as e:
+                raise UsageError(f"--{flag} {v!r}: {str(e).strip(chr(39))}") from None
     ctx, chunks = getattr(a, "ctx", None), getattr(a, "chunks", None)
     if ctx and chunks and chunks * (ctx - 1 - ctx // 2) < 100:
         # kl_divergence() in llama.cpp's tools/perplexity: no statistics below 100 scored
@@ -562,7 +570,7 @@ def _ratio(a) -> float | None:
 def _stem(ctx, a, assignment) -> str:
     from .export import output_name
     if a.output_name:
-        return a.output_name
+        return a.output_name.removesuffix(".gguf")  # a stem: --output_name my.gguf -> my.gguf
     n = sum(ctx.specs[i].n_rows * ctx.specs[i].n_per_row for i in range(len(ctx.specs)))
     bpw = 8.0 * assignment["total_bytes"] / n
     from .quants import Q8_0, tensor_nbytes
@@ -1500,7 +1508,8 @@ def _export(argv):
     keys = ensure_candidates(r.ctx, menus, r.im, r.cache, _precache_fn(a),
                              hessians=getattr(r, "hessians", None),
                              feedback=r.feedback_for(menus))
-    stem = a.output_name or Path(a.assignment).name.removesuffix(".assignment.json")
+    stem = (a.output_name.removesuffix(".gguf") if a.output_name else
+            Path(a.assignment).name.removesuffix(".assignment.json"))
     p = export(r.ctx, asg, keys, r.cache, r.out / f"{stem}.gguf",
                extra_kv=_provenance(a, asg, r.ctx.prepared))
     print(f"wrote {p}")

@@ -206,7 +206,9 @@ def parse_types(text: str | Sequence[str] | None) -> list[str] | None:
         return None
     items = text.replace(",", " ").split() if isinstance(text, str) else list(text)
     if not items:
-        raise ValueError("an empty list of candidate types")
+        raise ValueError("an empty list of candidate types: give ggml type names, e.g. "
+                         "--candidate_types Q8_0,Q4_K,IQ4_XS, or leave the flag out for the "
+                         "default menus")
     return [quants.qtype(t).name for t in items]
 
 
