@@ -1,7 +1,7 @@
 """Diagnostic: does moving ffn_down from Q4_K (Q8_K activations) to a 32-block type of the same
 bpw (Q8_0 activations, as the Q4_1 reference's Q8_1) lower the measured KLD? llama-quantize bytes
 (stock rounding, same imatrix) for every arm, held-out enwiki text."""
-import re, sys, json
+import sys, json
 from pathlib import Path
 from voodoo.models import prepare_model
 from voodoo.export import quantize_with_llama

@@ -1,4 +1,4 @@
-import re, sys, json
+import re, sys
 from pathlib import Path
 from voodoo.models import prepare_model, default_model
 from voodoo.export import quantize_with_llama
