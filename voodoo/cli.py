@@ -212,6 +212,12 @@ def _check_train_numbers(a) -> None:
         v = getattr(a, k, None)
         if v is not None and not (v > 0 and math.isfinite(v)):
             raise UsageError(f"--{k} must be a finite number > 0, got {v}")
+
+
+def _check_local_device(a) -> None:
+    """``--device`` of in-process training (train/run without --ray): a device this torch
+    cannot use fails before any work. Not for tune, tp or --ray, whose workers may hold GPUs
+    the driver lacks. Raises UsageError."""
     dev = getattr(a, "device", None)
     if dev and dev != "cpu":
         import torch
@@ -1280,6 +1286,8 @@ def _train(argv, run_all=False):
     a = ap.parse_args(argv)
     _check_ray_flags(a)
     _check_train_numbers(a)
+    if not a.ray:
+        _check_local_device(a)
     _check_inputs_early(a)
     if run_all:
         _check_eval_split_length(a)
