@@ -333,6 +333,14 @@ def _check_inputs_early(a) -> None:
                          + (" (a folder; give a text file)" if Path(text).is_dir() else ""))
 
 
+def _perplexity_tokens_needed(ctx: int, chunks: int) -> int:
+    """The fewest tokens of text llama-perplexity (``tools/perplexity``) scores a KLD on with
+    ``-c ctx --chunks chunks``: at least ``2 * ctx`` tokens (it stops below that), and enough
+    whole chunks of ``ctx`` for 100 scored tokens (each chunk scores its second half,
+    ``ctx - 1 - ctx // 2`` tokens; no KLD statistics below 100)."""
+    return max(2, min(chunks, -(-100 // (ctx - 1 - ctx // 2)))) * ctx
+
+
 def _check_eval_split_length(a) -> None:
     """Without --eval_text and ../shared/data/wikitext-2-raw-test.txt, llama-perplexity scores
     the decoded eval split: ``n_eval_blocks * seq_len`` tokens. Refuses, before any work, a split
@@ -346,10 +354,9 @@ def _check_eval_split_length(a) -> None:
     if not (ctx and chunks and n is not None and seq):
         return
     tokens = n * seq
-    used = min(chunks, tokens // ctx)
-    if used >= 2 and used * (ctx - 1 - ctx // 2) >= 100:
+    need = _perplexity_tokens_needed(ctx, chunks)
+    if tokens >= need:
         return
-    need = max(2, min(chunks, -(-100 // (ctx - 1 - ctx // 2)))) * ctx
     raise UsageError(
         f"no --eval_text and no ../shared/data/wikitext-2-raw-test.txt: llama-perplexity would "
         f"score the eval split of --data_name, {n} blocks x {seq} tokens = {tokens} tokens, "
@@ -358,15 +365,16 @@ def _check_eval_split_length(a) -> None:
 
 
 def _check_eval_text_tokens(a, tokenizer) -> None:
-    """``run --eval_text FILE``: a text too short for llama-perplexity's ``--ctx`` (at least
-    ``2 * ctx`` tokens, see :func:`_check_eval_split_length`) is refused before training,
-    counted with the model's tokenizer. Raises UsageError."""
+    """``run --eval_text FILE``: a text too short for llama-perplexity's ``--ctx``/``--chunks``
+    (:func:`_perplexity_tokens_needed`) is refused before training, counted with the model's
+    tokenizer. Raises UsageError."""
     text = Path(a.eval_text).read_text(encoding="utf-8", errors="replace")
     n = len(tokenizer(text).input_ids) if text.strip() else 0
-    if n < 2 * a.ctx:
+    need = _perplexity_tokens_needed(a.ctx, a.chunks)
+    if n < need:
         raise UsageError(f"--eval_text {a.eval_text}: {n} tokens, but llama-perplexity -c "
-                         f"{a.ctx} needs at least {2 * a.ctx}: give a longer text or lower "
-                         "--ctx")
+                         f"{a.ctx} --chunks {a.chunks} needs at least {need}: give a longer "
+                         "text or lower --ctx")
 
 
 def _match_size_target(value) -> int | str:
