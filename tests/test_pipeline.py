@@ -226,6 +226,35 @@ def test_eval_in_a_run_folder_keeps_its_data(tiny_run, monkeypatch):
     assert "(5 blocks)" in stderr and meta.read_bytes() == before
 
 
+def test_another_budget_in_a_finished_run_folder_fails_first(tiny_run):
+    """``voodoo train`` at another budget in a folder whose journal is finished: refused before
+    the imatrix, candidates and Fisher stages, naming the budget and the way out."""
+    rc, _, stderr = run_cli(["train", "--model", str(tiny_run["model"]), "--output_dir",
+                             str(tiny_run["out"]), *COMMON[:8], "--compression_ratio", "0.6",
+                             "--no_ray", "--seed", "0", *TRAIN])
+    assert rc != 0
+    assert "belongs to a different run" in stderr and "budget_bytes" in stderr, stderr[-2000:]
+    assert "--- candidates" not in stderr and "--- fisher" not in stderr
+
+
+def test_precache_after_data_keeps_its_data(tiny_fixed, tmp_path):
+    """``voodoo data`` with its own settings, then ``voodoo precache`` in the same folder
+    without them: the data is reused (taken from data/meta.json, said in one line), not
+    rebuilt with the defaults (64 blocks of 512 tokens would not even fit the tiny corpus)."""
+    out = tmp_path / "run"
+    data = ["--seq_len", "64", "--n_train_blocks", "6", "--n_eval_blocks", "5"]
+    rc, _, stderr = run_cli(["data", "--model", str(tiny_fixed), "--output_dir", str(out), *data])
+    assert rc == 0, stderr[-3000:]
+    meta = out / "data" / "meta.json"
+    before = meta.read_bytes()
+    rc, _, stderr = run_cli(["precache", "--model", str(tiny_fixed), "--output_dir", str(out),
+                             "--imatrix_blocks", "2", "--no_ray", "--candidate_types", "Q8_0"])
+    assert rc == 0, stderr[-3000:]
+    assert meta.read_bytes() == before
+    assert "taken from the run's data/meta.json: --seq_len 64, --n_train_blocks 6, " \
+        "--n_eval_blocks 5" in stderr
+
+
 @pytest.mark.slow
 @pytest.mark.ray
 def test_precache_through_ray_equals_local(tiny_run, tmp_path):

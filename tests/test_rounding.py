@@ -158,3 +158,36 @@ def test_refine_columns_bad_input(problem):
         R.refine_columns(w, cg.quantize(w, "IQ4_XS", imatrix=imat, n_threads=1), "IQ4_XS", h)
     with pytest.raises(ValueError):
         R.refine_columns(w, cg.quantize(w, "Q4_0", n_threads=1)[:, :-18], "Q4_0", h)
+
+
+@pytest.mark.parametrize("born, t", [("Q4_1", "Q5_1"), ("Q4_1", "Q4_1"), ("Q4_0", "Q5_0"),
+                                     ("Q4_0", "Q8_0"), ("Q5_0", "Q8_0")])
+def test_grid_recovery_stores_a_quantized_born_tensor_exactly(problem, born, t):
+    # weights that are another type's dequantized blocks (a model born quantized, SmolLM2's
+    # Q4_1): the error-feedback bytes hold them without error where the type can, while
+    # llama.cpp's quantizer (scale from the block's range) and the rounding without grid
+    # recovery do not
+    w, imat, h, u = problem
+    src = cg.dequantize(cg.quantize(w, born, n_threads=1), born, COLS, n_threads=1)
+    q = R.quantize_feedback(src, t, imat, h, u=u, sweeps=2)
+    assert R.validate_rows(q, t)
+    assert np.array_equal(cg.dequantize(q, t, COLS, n_threads=1), src)
+    if born != t:
+        for other in (cg.quantize(src, t, imatrix=imat, n_threads=1),
+                      R.quantize_feedback(src, t, imat, h, u=u, sweeps=2, grid=False)):
+            assert R.proxy_error(src, cg.dequantize(other, t, COLS, n_threads=1), h) > 0
+
+
+@pytest.mark.parametrize("t", R.GRID_TYPES)
+def test_grid_recovery_leaves_off_grid_weights_alone(problem, t):
+    # weights on no grid (a BF16-born model): byte for byte what the rounding writes without it
+    w, imat, h, u = problem
+    assert np.array_equal(R.quantize_feedback(w, t, imat, h, u=u, sweeps=2),
+                          R.quantize_feedback(w, t, imat, h, u=u, sweeps=2, grid=False))
+
+
+def test_grid_scales_rejects_iq4_nl(problem):
+    w = problem[0][:, :32]
+    z = np.zeros(len(w), np.float32)
+    with pytest.raises(ValueError, match="uniform types"):
+        R.grid_scales(w, "IQ4_NL", z, z, np.zeros((len(w), 2), np.uint8))

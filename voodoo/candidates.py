@@ -236,8 +236,17 @@ def rounding_tag(hessian: np.ndarray | None, type_name=None, damp: float = GPTQ_
     cd = f":cd{GPTQ_SWEEPS}" if GPTQ_SWEEPS else ""
     if GPTQ_KQUANT_SWEEPS and type_name is not None and qtype(type_name).name in _K_REFINED:
         cd += f"kd{GPTQ_KQUANT_SWEEPS}"
+    if GRID_RECOVERY and type_name is not None and qtype(type_name).name in _rounding.GRID_TYPES:
+        cd += ":grid"
     return f"gptq:{damp}{cd}:{_sha or hessian_sha(hessian)}"
 
+
+#: Grid recovery in the error-feedback rounding of Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1
+#: (:func:`voodoo.rounding.grid_scales`): a block whose weights sit on a uniform grid the type
+#: holds is stored on that grid (exactly, for a model born quantized); other blocks keep the
+#: quantizer's scale, so BF16-born weights get the same bytes as without it. Their tag ends
+#: in ``:grid``.
+GRID_RECOVERY = True
 
 #: k-quants whose quant indices :data:`GPTQ_KQUANT_SWEEPS` refines; their tag says so when it
 #: is on.
@@ -343,7 +352,8 @@ def _quantize_feedback(w: np.ndarray, t, imatrix_row, gguf_name, hessian) -> np.
     if not np.isfinite(w).all():
         raise ValueError("non-finite weights")
     return quantize_feedback(w, t.name, im, h, damp=GPTQ_DAMP, u=_inverse_cholesky(h),
-                             sweeps=GPTQ_SWEEPS, kquant_sweeps=GPTQ_KQUANT_SWEEPS)
+                             sweeps=GPTQ_SWEEPS, kquant_sweeps=GPTQ_KQUANT_SWEEPS,
+                             grid=GRID_RECOVERY)
 
 
 _U_CACHE: dict[str, np.ndarray] = {}

@@ -64,6 +64,31 @@ def _data_flags(ap):
                          "../shared/data/wikitext-2-raw-test.txt is absent)")
 
 
+def _parse_keeping_run_data(ap, argv, adopt=lambda a: True):
+    """``ap.parse_args(argv)``, where the dataset flags (:data:`_DATA_KEYS`) not given are the
+    run folder's own (its ``data/meta.json``, :func:`_data_of_run`) when it has data and
+    ``adopt(a)``, else the parser's defaults: ``voodoo data --n_train_blocks 96`` followed by
+    ``voodoo train`` (or a resumed ``voodoo run``) in the same folder reuses those blocks
+    instead of rebuilding the data with the defaults. One line names what was taken."""
+    defaults = {k: ap.get_default(k) for k in _DATA_KEYS}
+    for act in ap._actions:  # the help still shows the real default
+        if act.dest in defaults and act.help and "default" not in act.help:
+            act.help += (f" (default: the run folder's data/meta.json when it has one, else "
+                         f"{defaults[act.dest]})")
+    ap.set_defaults(**{k: None for k in _DATA_KEYS})  # None: not given
+    a = ap.parse_args(argv)
+    taken = _data_of_run(a) if adopt(a) else {}
+    for k, v in defaults.items():
+        if getattr(a, k) is None:
+            setattr(a, k, v)
+    changed = {k: v for k, v in taken.items() if v != defaults[k]}
+    if changed:
+        from .pipeline import log
+        log("dataset settings not given, taken from the run's data/meta.json: " +
+            ", ".join(f"--{k} {v}" for k, v in changed.items()))
+    return a
+
+
 def _menu_flags(ap):
     ap.add_argument("--candidate_types", default=None,
                     help="types for every tensor, e.g. 'Q8_0,Q6_K,Q4_K,IQ4_XS,IQ2_S'")
@@ -878,7 +903,9 @@ class Run:
                            target_bits=a.target_bits, budget_reduction=a.budget_reduction,
                            size_weight=a.size_weight, size_tolerance=a.size_tolerance,
                            kl_weight=a.kl_weight, lr=a.lr, max_steps=a.max_steps,
-                           seq_len=int(self.train_blocks.shape[1]), batch_size=a.batch_size,
+                           seq_len=int(self.train_blocks.shape[1]) if getattr(
+                               self, "train_blocks", None) is not None else int(a.seq_len),
+                           batch_size=a.batch_size,
                            t_start=a.t_start, t_end=a.t_end, gate_init=a.gate_init,
                            gate_init_strength=a.gate_init_strength,
                            fisher_blocks=a.fisher_blocks,
@@ -1266,7 +1293,7 @@ def _precache(argv):
     _model_flags(ap)
     _data_flags(ap)
     _menu_flags(ap)
-    a = ap.parse_args(argv)
+    a = _parse_keeping_run_data(ap, argv)
     r = Run(a)
     r.context()
     if a.imatrix is None:
@@ -1291,7 +1318,7 @@ def _train(argv, run_all=False):
         _eval_flags(ap)
         ap.add_argument("--stock_types", default="IQ2_XXS,IQ2_M,IQ4_XS",
                         help="llama.cpp file types to compare with")
-    a = ap.parse_args(argv)
+    a = _parse_keeping_run_data(ap, argv)
     _check_ray_flags(a)
     _check_train_numbers(a)
     if not a.ray:
@@ -1308,7 +1335,7 @@ def _train(argv, run_all=False):
     _check_upgrade_patterns(rules, [s.gguf_name for s in r.ctx.specs])
     r.menus_and_budget()  # an unreachable budget fails before data, imatrix and candidates
     _check_tp_early(r)  # a split that cuts quant blocks too (before precache and Fisher)
-    _check_journal_early(r.out / "train")
+    _check_journal_early(r.out / "train", None if a.ray else r)
     # a journal of another model fails now, before data, imatrix and candidates
     if a.ray:
         r.check_training_state(str(Path(_ray_storage(a, r.out)) / _ray_run_name(a, r.out)),
@@ -1374,12 +1401,17 @@ def _check_tp_early(r) -> None:
                          f"tp --nproc {works}){drop}")
 
 
-def _check_journal_early(train_dir: Path) -> None:
+def _check_journal_early(train_dir: Path, r=None) -> None:
     """A training journal that cannot be read fails now, before the expensive stages (the file
-    is kept; :class:`voodoo.train.CorruptJournalError` says what to do)."""
-    from .train import JOURNAL_NAME, _load_journal
-    if (train_dir / JOURNAL_NAME).exists():
-        _load_journal(train_dir / JOURNAL_NAME)
+    is kept; :class:`voodoo.train.CorruptJournalError` says what to do); so does, given the run
+    ``r`` (budget known, in-process training), one of a run with another budget or training
+    config (e.g. a finished Voodoo55 journal in the folder of a new Voodoo45 run)."""
+    from .train import JOURNAL_NAME, _load_journal, check_journal_fits
+    j = train_dir / JOURNAL_NAME
+    if j.exists():
+        st = _load_journal(j)
+        if r is not None and getattr(r, "budget", None) is not None:
+            check_journal_fits(j, r.train_config(), r.budget, st)
 
 
 def _assignment_run_folder(a) -> None:
@@ -1416,18 +1448,29 @@ _DATA_KEYS = {"data_name": "source_arg", "seq_len": "seq_len",
               "seed": "seed"}
 
 
-def _data_of_run(a) -> None:
-    """``eval --assignment``: the dataset flags not given are the run's own (its
-    ``data/meta.json``), so the run's calibration data is reused, never rebuilt with other
-    settings over the data the gates were trained on."""
-    d = Path(a.data_dir) if a.data_dir else Path(a.output_dir) / "data"
+def _data_of_run(a) -> dict:
+    """The dataset flags not given (None) become the run's own (its ``data/meta.json``), so
+    the run's calibration data is reused, never rebuilt with other settings over the data the
+    gates were trained on. The folder: ``--data_dir``, else ``<--output_dir>/data``, else
+    ``runs/<model name>/data`` (the default run folder). Returns the flags set."""
+    if a.data_dir:
+        d = Path(a.data_dir)
+    elif getattr(a, "output_dir", None):
+        d = Path(a.output_dir) / "data"
+    else:
+        from .models import DEFAULT_MODEL_WHEEL, model_name_from_path
+        model = getattr(a, "model", None) or Path(DEFAULT_MODEL_WHEEL["member"]).name
+        d = Path("runs") / model_name_from_path(model) / "data"
     try:
         meta = json.loads((d / "meta.json").read_text())
     except (OSError, ValueError):
-        return
+        return {}
+    taken = {}
     for flag, key in _DATA_KEYS.items():
-        if getattr(a, flag) is None and meta.get(key) is not None:
+        if getattr(a, flag, 0) is None and meta.get(key) is not None:
             setattr(a, flag, meta[key])
+            taken[flag] = meta[key]
+    return taken
 
 
 def _use_assignment_rounding(a, asg, r=None) -> None:
@@ -1492,15 +1535,9 @@ def _export(argv):
     ap.add_argument("--assignment", required=True, help="<name>.assignment.json from train")
     ap.add_argument("--output_name", default=None,
                     help="file stem (default: the assignment's, <Model>.VoodooNN_<badge>)")
-    data_defaults = {k: ap.get_default(k) for k in _DATA_KEYS}
-    ap.set_defaults(**{k: None for k in _DATA_KEYS})  # None: not given, the run's own
-    a = ap.parse_args(argv)
+    a = _parse_keeping_run_data(ap, argv,
+                                adopt=lambda a: _assignment_run_folder(a) or True)
     from .pipeline import ensure_candidates, export
-    _assignment_run_folder(a)
-    _data_of_run(a)
-    for k, v in data_defaults.items():
-        if getattr(a, k) is None:
-            setattr(a, k, v)
     r = Run(a)
     r.context()
     asg = _read_assignment(a.assignment)
@@ -1708,7 +1745,7 @@ def _tune(argv):
     g.add_argument("--storage_path", default=None, help="default <output_dir>/ray")
     g.add_argument("--export", action="store_true",
                    help="bake the best trial's gates and write its assignment and GGUF")
-    a = ap.parse_args(argv)
+    a = _parse_keeping_run_data(ap, argv)
     _check_train_numbers(a)
     _check_inputs_early(a)
     for flag, (lo, hi) in (("size_weight_range", a.size_weight_range),

@@ -32,9 +32,10 @@ import ctypes
 
 import numpy as np
 
-__all__ = ["inverse_hessian_cholesky", "gptq_blocks", "gptq_columns", "quantize_feedback",
+__all__ = ["inverse_hessian_cholesky", "gptq_blocks", "gptq_columns", "grid_scales",
+           "quantize_feedback",
            "proxy_error", "logit_kl", "validate_rows", "refine_columns", "COLUMN_TYPES",
-           "REFINE_TYPES"]
+           "GRID_TYPES", "REFINE_TYPES"]
 
 #: kvalues_iq4nl (ggml-common.h)
 _IQ4NL = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113],
@@ -52,6 +53,8 @@ _LAYOUT = {
 _OFFSET = {"Q4_0": 8, "Q5_0": 16, "Q8_0": 0, "Q4_1": 0, "Q5_1": 0}
 #: 32-block types whose bytes :func:`gptq_columns` writes itself.
 COLUMN_TYPES = tuple(_LAYOUT)
+#: The uniform ones among them: :func:`grid_scales` can recover a grid in these.
+GRID_TYPES = tuple(n for n in _LAYOUT if _LAYOUT[n][4] != "nl")
 
 #: 256-block k-quants whose quant indices :func:`refine_columns` moves (their sub-block scales
 #: and mins stay): type -> (bytes per block, sub-block size, first level, levels). Layouts and
@@ -161,10 +164,11 @@ def _f16_at(q: np.ndarray, off: int) -> np.ndarray:
 
 def gptq_columns(w: np.ndarray, qtype, imatrix: np.ndarray | None, h: np.ndarray, *,
                  damp: float = 0.01, importance: str = "imatrix",
-                 u: np.ndarray | None = None) -> np.ndarray:
+                 u: np.ndarray | None = None, grid: bool = True) -> np.ndarray:
     """Valid ``qtype`` rows (one of :data:`COLUMN_TYPES`) for ``w`` by column-wise error
-    feedback: each block's scale (and min) from libggml on the updated block, then its columns
-    rounded to the nearest level one by one, errors fed back within and past the block.
+    feedback: each block's scale (and min) from libggml on the updated block (or, ``grid``,
+    the block's own grid where it has one the type holds: :func:`grid_scales`), then its
+    columns rounded to the nearest level one by one, errors fed back within and past the block.
 
     Returns uint8 (rows, row_size) in the type's ``block_*`` layout."""
     g = _ggml()
@@ -187,17 +191,21 @@ def gptq_columns(w: np.ndarray, qtype, imatrix: np.ndarray | None, h: np.ndarray
                          n_threads=1)
         d = _f16_at(ref, 0)
         m = _f16_at(ref, 2) if has_min else np.zeros(rows, np.float32)
+        head = ref[:, :off_qs]
+        if grid and kind != "nl":
+            imp = _importance(importance, imatrix, u_bb, s, e)
+            d, m, head = grid_scales(cur, name, d, m, head, imp)
         dz = d == 0
         dsafe = np.where(dz, np.float32(1), d)
-        grid = d[:, None] * _IQ4NL[None, :] if kind == "nl" else None
+        nl = d[:, None] * _IQ4NL[None, :] if kind == "nl" else None
         blk = wk[:, s:e]                       # a view: updated in place
         qv = np.empty((rows, bs), dtype=np.int64)
         errs = np.empty((rows, bs))
         for j in range(bs):
             x = blk[:, j]
             if kind == "nl":
-                qi = np.abs(x[:, None].astype(np.float32) - grid).argmin(1)
-                deq = grid[np.arange(rows), qi]
+                qi = np.abs(x[:, None].astype(np.float32) - nl).argmin(1)
+                deq = nl[np.arange(rows), qi]
             else:
                 r = np.rint((x.astype(np.float32) - m) / dsafe)
                 qi = np.clip(r + off, qlo, qhi).astype(np.int64)
@@ -210,8 +218,81 @@ def gptq_columns(w: np.ndarray, qtype, imatrix: np.ndarray | None, h: np.ndarray
                 blk[:, j + 1:] -= err[:, None] * u_bb[j, j + 1:][None, :]
         if e < cols:
             wk[:, e:] -= errs @ u[s:e, e:]
-        out[:, k * ts:(k + 1) * ts] = _encode_block(name, ref[:, :off_qs], qv)
+        out[:, k * ts:(k + 1) * ts] = _encode_block(name, head, qv)
     return out
+
+
+def grid_scales(x: np.ndarray, qtype, d: np.ndarray, m: np.ndarray, head: np.ndarray,
+                importance: np.ndarray | None = None):
+    """Grid recovery for one 32-block per row: where a row's values ``x`` (float32 (rows, 32))
+    sit on a uniform grid that ``qtype`` (a uniform type of :data:`COLUMN_TYPES`: Q8_0, Q4_0,
+    Q4_1, Q5_0, Q5_1) can hold exactly, the block's scale (and min) become that grid's.
+
+    A model that was born quantized (quantization-aware training released as floats,
+    a GGUF dequantized and quantized again, SmolLM2's Q4_1 weights) has blocks whose values
+    are ``d'·q + m'`` with a float16 ``d'``, ``m'``: Q5_1 (or Q5_0 for a symmetric grid) can
+    store them without error, but llama.cpp's quantizers pick the scale from the block's range
+    (``(max - min) / 31``), which puts most values between levels. The grid step is the
+    smallest gap between the block's distinct values; the grid is taken only when every value
+    is within 1e-3 steps of it, the indices fit the type, and its importance-weighted error
+    under nearest rounding is smaller than that of ``d``/``m`` (the quantizer's own scale):
+    otherwise nothing changes, so for weights on no grid (a BF16-born model) the bytes are
+    exactly what they were.
+
+    Args: ``d``, ``m`` float32 (rows,) the current scale and min (``m`` zeros without a min);
+    ``head`` uint8 (rows, offset of qs) their block bytes; ``importance`` float32 (32,) or None
+    (equal weights).
+    Returns ``(d, m, head)``, new arrays where a row changed."""
+    name = _column_type(qtype, "grid_scales takes")
+    _, has_min, _, _, kind, (qlo, qhi) = _LAYOUT[name]
+    if kind == "nl":
+        raise ValueError("grid_scales takes the uniform types, not IQ4_NL")
+    off = _OFFSET.get(name, 0)
+    qlo = max(qlo, -127)  # Q8_0: the int8 range llama.cpp's own quantizer writes
+    x = np.asarray(x, dtype=np.float32)
+    wt = np.ones(x.shape[1], np.float32) if importance is None else \
+        np.asarray(importance, np.float32)
+    srt = np.sort(x, axis=1)
+    gap = np.diff(srt, axis=1)
+    span = srt[:, -1] - srt[:, 0]
+    gap = np.where(gap > 1e-6 * span[:, None], gap, np.inf)
+    g = gap.min(axis=1)
+    ok = np.isfinite(g) & (g > 0)
+    if not ok.any():
+        return d, m, head
+    gs = np.where(ok, g, 1.0).astype(np.float16).astype(np.float32)
+    ok &= np.isfinite(gs) & (gs > 0)
+    if has_min:
+        mc = srt[:, 0].astype(np.float16).astype(np.float32)
+        ok &= np.isfinite(mc)
+    else:
+        mc = np.zeros_like(d)
+    cand = [(gs, mc)]
+    if not has_min:  # a symmetric grid's extreme level may be on either side
+        cand.append((-gs, mc))
+
+    def err(dd, mm):
+        """Weighted error under nearest rounding, and whether every value is on the grid."""
+        t = (x - mm[:, None]) / np.where(dd == 0, np.float32(1), dd)[:, None]
+        r = np.rint(t)
+        q = np.where(dd[:, None] == 0, off, np.clip(r + off, qlo, qhi))
+        deq = (q - off).astype(np.float32) * dd[:, None] + mm[:, None]
+        on = (np.abs(t - r) <= 1e-3) & (r + off >= qlo) & (r + off <= qhi)
+        return ((x - deq) ** 2 * wt).sum(1), on.all(axis=1)
+
+    best, _ = err(d, m)
+    d, m = d.copy(), m.copy()
+    head = np.array(head, copy=True)
+    for dd, mm in cand:
+        e, on = err(dd, mm)
+        take = ok & on & (e < best)
+        if take.any():
+            best = np.where(take, e, best)
+            d[take], m[take] = dd[take], mm[take]
+            head[take, 0:2] = dd[take].astype(np.float16)[:, None].view(np.uint8)
+            if has_min:
+                head[take, 2:4] = mm[take].astype(np.float16)[:, None].view(np.uint8)
+    return d, m, head
 
 
 def _column_type(qtype, who: str) -> str:
@@ -538,19 +619,20 @@ def _refine_chunk(w, q, d, m, hd, lvp, has_min, sweeps, scales, bs=32):
 def quantize_feedback(w: np.ndarray, qtype, imatrix: np.ndarray | None, h: np.ndarray, *,
                       method: str = "auto", damp: float = 0.01, importance: str = "imatrix",
                       u: np.ndarray | None = None, sweeps: int = 0,
-                      kquant_sweeps: int = 0) -> np.ndarray:
+                      kquant_sweeps: int = 0, grid: bool = True) -> np.ndarray:
     """Error-feedback bytes of ``w`` as ``qtype``: ``method="columns"`` (:func:`gptq_columns`,
     32-block types of :data:`COLUMN_TYPES`), ``"blocks"`` (:func:`gptq_blocks`, every type) or
     ``"auto"`` (columns where possible). ``sweeps`` > 0: the columns' bytes are then refined
     by :func:`refine_columns` (that many sweeps, the same ``damp``); ``kquant_sweeps`` > 0:
     the blocks' bytes of the k-quants in :data:`REFINE_TYPES` likewise; no effect on other
-    types."""
+    types. ``grid``: the columns' grid recovery (:func:`grid_scales`)."""
     name = _ggml().type_name(qtype)
     if method == "auto":
         method = "columns" if name in _LAYOUT else "blocks"
     w = np.ascontiguousarray(w, dtype=np.float32)
     if method == "columns":
-        q = gptq_columns(w, name, imatrix, h, damp=damp, importance=importance, u=u)
+        q = gptq_columns(w, name, imatrix, h, damp=damp, importance=importance, u=u,
+                         grid=grid)
         return refine_columns(w, q, name, h, damp=damp, sweeps=sweeps) if sweeps > 0 else q
     if method == "blocks":
         q = gptq_blocks(w, name, imatrix, h, damp=damp, importance=importance, u=u)

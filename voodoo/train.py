@@ -321,6 +321,26 @@ def _save_journal(path: Path, obj: dict) -> None:
     os.replace(tmp, path)
 
 
+def check_journal_fits(journal, cfg: "TrainConfig", budget: float, st: dict | None = None
+                       ) -> None:
+    """Raises ValueError, naming what differs and the way out, when the journal ``journal``
+    (read unless ``st``, its contents, is given) was written by a run with another training
+    config (``_RESUME_FREE`` keys aside) or another budget (bytes); such a journal cannot be
+    resumed. CorruptJournalError when it cannot be read."""
+    journal = Path(journal)
+    st = _load_journal(journal) if st is None else st
+    mine, theirs = cfg.to_dict(), dict(st["config"])
+    diff = sorted(k for k in set(mine) | set(theirs)
+                  if k not in _RESUME_FREE and mine.get(k) != theirs.get(k))
+    if int(st["budget_bytes"]) != int(budget):
+        diff.append(f"budget_bytes ({int(st['budget_bytes'])} there, {int(budget)} now)")
+    if diff:
+        raise ValueError(f"{journal} belongs to a different run (differs in {diff}); use the "
+                         f"same settings to resume, a fresh --output_dir, or delete {journal} "
+                         "to train anew here (the folder's data, imatrix and candidates are "
+                         "reused)")
+
+
 def _load_journal(path: Path) -> dict:
     hint = ("The file was kept; delete it to start training over, or pass a fresh output "
             "directory.")
@@ -457,13 +477,7 @@ def train_gates(student: nn.Module, teacher, train_blocks: torch.Tensor, cfg: Tr
     step, history = 0, []
     if journal is not None and journal.exists():
         st = _load_journal(journal)
-        mine, theirs = cfg.to_dict(), dict(st["config"])
-        diff = sorted(k for k in set(mine) | set(theirs)
-                      if k not in _RESUME_FREE and mine.get(k) != theirs.get(k))
-        if diff or int(st["budget_bytes"]) != int(budget):
-            raise ValueError(f"{journal} belongs to a different run (differs in "
-                             f"{diff or ['budget_bytes']}); use the same settings to resume, "
-                             f"a fresh --output_dir, or delete {journal} to train anew here")
+        check_journal_fits(journal, cfg, budget, st)
         try:
             load_gate_state(student, st["gates"])
             optimizer.load_state_dict(st["optimizer"])
