@@ -581,3 +581,25 @@ def test_menu_and_upgrade_file_mistakes_name_the_flag_before_the_model_loads(tmp
     line = error_line(rc, err)
     assert "tu.json: no such file" in line, line
     nothing_written(out)
+
+
+def test_voodoo_warnings_are_one_log_line():
+    """A warning raised in Voodoo's code during a command prints as ``[voodoo] warning: ...``
+    (not Python's ``path:line: UserWarning:`` form with the source line); other libraries'
+    warnings keep Python's form. (A subprocess: pytest records warnings itself.)"""
+    code = """if True:
+        import warnings
+        from voodoo import cli, bake
+        def cmd(argv):
+            warnings.warn_explicit("bake: 10 bytes is 1.00% under the budget", UserWarning,
+                                   bake.__file__, 1)
+            warnings.warn_explicit("something else", UserWarning, "/elsewhere/lib.py", 7)
+            return 0
+        cli.COMMANDS["doctor"] = (cmd, "")
+        raise SystemExit(cli.main(["doctor"]))
+    """
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "[voodoo] warning: bake: 10 bytes is 1.00% under the budget\n" in p.stderr
+    assert "lib.py:7: UserWarning: something else" in p.stderr
+    assert "bake.py:1" not in p.stderr

@@ -122,7 +122,8 @@ def _menu_flags(ap):
                     help="calibration blocks behind the input Hessians of --rounding gptq "
                          "(the first N train blocks; at 16, as many as the imatrix, ffn_down's "
                          "K-quants overfit on held-out text: benchmarks/results/rounding). "
-                         "Default 64; export and eval take the --assignment's")
+                         "Default: the first 64 train blocks, so all of the default 48; "
+                         "export and eval take the --assignment's")
 
 
 def _budget_flags(ap):
@@ -1627,6 +1628,8 @@ def _eval(argv):
             res["size_mib"] = Path(g).stat().st_size / 2**20
             rows.append(res)
     cols = ["file", "size_mib", "ppl", "kld", "kld_p99_9", "same_top_p"]
+    if any("selectable_mib" in r for r in rows):  # --assignment: no file, its tensors' bytes
+        cols.insert(2, "selectable_mib")
     print(format_table(rows, cols))
     if a.report:
         save_report(rows, a.report)
@@ -1682,7 +1685,8 @@ def _eval_torch(a) -> dict:
         res = torch_ppl_kl(r.ctx.model, teacher, r.eval_blocks)
     res["file"] = Path(a.assignment).name + " (torch)"
     res["kld"] = res.get("kl")
-    res["size_mib"] = asg["total_bytes"] / 2**20
+    # the selectable tensors' bytes (the budget's measure), not a file's: its own column
+    res["selectable_mib"] = asg["total_bytes"] / 2**20
     return res
 
 
@@ -1935,6 +1939,17 @@ def main(argv: list[str] | None = None) -> int:
     fn, _ = COMMANDS[argv[0]]
     from .progress import tame_tqdm
     tame_tqdm()  # progress bars in log files: a line every 30 s, no carriage returns
+    import warnings
+    old_format = warnings.formatwarning
+
+    def _format(message, category, filename, lineno, line=None):
+        # Voodoo's own warnings (bake under budget, a corrupt cached candidate, a corpus that
+        # looks like an eval split) as one log line, not Python's "file:line: Category" form
+        if issubclass(category, UserWarning) and \
+                Path(filename).parent.name in ("voodoo", "cluster"):
+            return f"[voodoo] warning: {message}\n"
+        return old_format(message, category, filename, lineno, line)
+    warnings.formatwarning = _format
     import signal
     import threading
     term = {"got": False}
@@ -1965,6 +1980,7 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 143 if term["got"] else 130
     finally:
+        warnings.formatwarning = old_format
         if old_term is not None:
             signal.signal(signal.SIGTERM, old_term)
 

@@ -89,7 +89,7 @@ def lib_path() -> Path:
         return Path(env)
     p = build_root() / "lib" / "libggml-base.so"
     if not p.is_file():
-        raise LlamaCppNotBuilt(f"{p} not built; run `voodoo bootstrap --lib-only` (about 20 s)")
+        raise LlamaCppNotBuilt(f"{p} not built; run `voodoo bootstrap --lib_only` (about 20 s)")
     return p
 
 
@@ -471,7 +471,7 @@ def main(argv: list[str] | None = None) -> int:
                "about 3 min; llama-completion, llama-cli and llama-server about 2 min more "
                "(several times longer when the cores are busy). Cached builds are reused; "
                "only missing tools are built.")
-    ap.add_argument("--lib-only", action="store_true",
+    ap.add_argument("--lib_only", "--lib-only", action="store_true",
                     help="build libggml-base only (about 20 s): enough to quantize candidates, "
                          "train and export; not for stock types (llama-quantize), "
                          "llama-perplexity tables, chat or serve")

@@ -50,9 +50,13 @@ def compare_with_stock(r) -> list[dict]:
     a, out = r.a, r.out
     text = Path(a.eval_text) if a.eval_text else _default_eval_text()
     if text is None:
+        from .fsutil import atomic_write_text
         text = out / "eval" / "eval-split.txt"
         text.parent.mkdir(parents=True, exist_ok=True)
-        text.write_text("\n".join(r.ctx.tokenizer.decode(b) for b in r.eval_blocks))
+        atomic_write_text(text, "\n".join(r.ctx.tokenizer.decode(b) for b in r.eval_blocks))
+        print(f"[voodoo] no --eval_text and no ../shared/data/wikitext-2-raw-test.txt: "
+              f"llama-perplexity measures the held-out eval split of {a.data_name} "
+              f"({len(r.eval_blocks)} blocks), {text}", flush=True)
     ref = r.ctx.prepared.reference_gguf
     files = [("Voodoo", r.gguf)]
     with r.timer("stock llama-quantize"):
