@@ -90,11 +90,13 @@ def test_bootstrap_prints_lines_not_a_dict(monkeypatch, capsys, tmp_path):
 
 def test_a_zero_default_is_shown(parsers, capsys):
     """0 == False in Python: a default of 0 (--seed, --budget_reduction, --max_failures) is
-    still a value, shown like any other."""
+    still a value, shown like any other (--seed, a dataset flag, defaults to the run folder's
+    data first)."""
     ap = parsers["voodoo train"]
     ap.print_help()
     text = " ".join(capsys.readouterr().out.split())
-    assert "training order (default: 0)" in text
+    assert "training order (default: the run folder's data/meta.json when it has one, else " \
+        "0)" in text
     assert "aim 1% under) (default: 0.0)" in text
     assert "from the last checkpoint (default: 0)" in text
     assert "--no_ray quantize candidates in this process instead of Ray actors (default" \

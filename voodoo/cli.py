@@ -122,8 +122,8 @@ def _menu_flags(ap):
                     help="calibration blocks behind the input Hessians of --rounding gptq "
                          "(the first N train blocks; at 16, as many as the imatrix, ffn_down's "
                          "K-quants overfit on held-out text: benchmarks/results/rounding). "
-                         "Default: the first 64 train blocks, so all of the default 48; "
-                         "export and eval take the --assignment's")
+                         "Default: the first 64 train blocks (all of them with 48 train "
+                         "blocks); export and eval take the --assignment's")
 
 
 def _budget_flags(ap):
