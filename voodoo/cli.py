@@ -180,11 +180,6 @@ def _train_flags(ap):
                          "backend does per weight type (Q8_K per 256 values for K/IQ types, "
                          "per 32 for the 32-block types), relative to the reference's own "
                          "(voodoo.actround); 'none': weight error only")
-    ap.add_argument("--prior_calibration_blocks", type=int, default=0,
-                    help="gate_init fisher: rescale the predicted costs of each tensor kind "
-                         "(attn_q, ffn_down, ...) by the KL measured with that kind moved to "
-                         "its best type, on the last N train blocks "
-                         "(voodoo.pipeline.calibrate_kinds); 0: off")
     ap.add_argument("--output_name", default=None,
                     help="file stem (default <Model>.VoodooNN_<badge>)")
     ap.add_argument("--device", default="cpu",
@@ -1106,7 +1101,6 @@ class Run:
         hs = getattr(self, "heldout_hessians", None)
         if hs is None:
             hs = getattr(self, "hessians", None)
-        ncal = int(getattr(self.a, "prior_calibration_blocks", 0) or 0)
         with self.timer("fisher"):
             return fisher_prior(self.ctx, teacher, self.menus, self.keys, self.cache,
                                 self.train_blocks[: cfg.fisher_blocks], int(self.budget),
@@ -1114,8 +1108,7 @@ class Run:
                                 report_path=self.out / "train" / "sensitivity.json",
                                 hessians=hs,
                                 activation_rounding=getattr(self.a, "activation_rounding",
-                                                            "cpu"),
-                                calibration_blocks=self.train_blocks[-ncal:] if ncal else None)
+                                                            "cpu"))
 
     def train_ray(self, cfg):
         """Gate training under Ray Train (:func:`cluster.train.run_training`) with

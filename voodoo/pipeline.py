@@ -748,8 +748,7 @@ def _weights_fingerprint(model: torch.nn.Module, tmap: TensorMap) -> str:
 def fisher_prior(ctx: Context, teacher: torch.nn.Module, menus, keys, cache: CandidateCache,
                  blocks: torch.Tensor, budget: int, *, strength: float = 2.0, seed: int = 0,
                  fisher_cache_dir=None, report_path=None, progress: bool = True,
-                 hessians=None, activation_rounding: str = "cpu",
-                 calibration_blocks: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+                 hessians=None, activation_rounding: str = "cpu") -> dict[str, torch.Tensor]:
     """The ``--gate_init fisher`` starting logits (:mod:`voodoo.sensitivity`).
 
     The Fisher diagonal is computed on ``teacher`` (an ordinary HF model; call before
@@ -764,8 +763,6 @@ def fisher_prior(ctx: Context, teacher: torch.nn.Module, menus, keys, cache: Can
     ``activation_rounding="cpu"`` adds to ``D`` the predicted KL of the activation rounding
     llama.cpp's CPU backend does for each candidate type, relative to the reference tensor's
     own (:mod:`voodoo.actround`; forward passes over ``blocks``); ``"none"`` leaves it out.
-    ``calibration_blocks`` (M, T) int64: the predicted weight costs are then rescaled per
-    tensor kind by the KL measured on them (:func:`calibrate_kinds`) before the knapsack.
     ``report_path``: where to
     write ``{"mu_nats_per_byte", "choice_bytes", "predicted_kl", "lagrangian_bytes",
     "lagrangian_predicted_kl", "tensors": {name: {"menu", "bytes", "dkl", "choice"}}, ...}``
@@ -798,18 +795,10 @@ def fisher_prior(ctx: Context, teacher: torch.nn.Module, menus, keys, cache: Can
     act = {}
     if activation_rounding == "cpu":
         act = _activation_costs(ctx, teacher, menus, fisher, blocks)
+        for n, costs in act.items():
+            dist[n] = [d + costs.get(_vdt(t), 0.0) for d, t in zip(dist[n], menus[n])]
     elif activation_rounding != "none":
         raise ValueError(f"activation_rounding={activation_rounding!r}: use 'cpu' or 'none'")
-    extra = {n: [costs.get(_vdt(t), 0.0) for t in menus[n]] for n, costs in act.items()}
-    kinds = {}
-    if calibration_blocks is not None and len(calibration_blocks):
-        kinds = calibrate_kinds(ctx, teacher, menus, keys, cache, dist, extra, table, budget,
-                                calibration_blocks, progress=progress)
-        for n in dist:
-            sc = kinds.get(tensor_kind(n), {}).get("scale", 1.0)
-            dist[n] = [d * sc for d in dist[n]]
-    for n, e in extra.items():
-        dist[n] = [d + x for d, x in zip(dist[n], e)]
     logits = fisher_gate_logits(dist, table, budget, strength)
     if report_path is not None:
         mu, hull = lagrangian_choice(dist, table, budget)
@@ -819,7 +808,6 @@ def fisher_prior(ctx: Context, teacher: torch.nn.Module, menus, keys, cache: Can
                "strength": strength, "seed": seed,
                "input_correlated": sorted(n for n in dist if n in hessians),
                "activation_rounding": activation_rounding,
-               "kind_calibration": kinds,
                "activation_cost": {n: {t: act[n].get(_vdt(t), 0.0) for t in menus[n]}
                                    for n in sorted(act)},
                "choice_bytes": int(sum(table[n][k] for n, k in choice.items())),
@@ -830,107 +818,6 @@ def fisher_prior(ctx: Context, teacher: torch.nn.Module, menus, keys, cache: Can
                                "choice": menus[n][choice[n]]} for n in sorted(dist)}}
         write_json(report_path, rep)
     return logits
-
-
-def tensor_kind(gguf_name: str) -> str:
-    """The GGUF name without its block index (``blk.7.attn_q.weight`` -> ``attn_q.weight``):
-    the tensors of one kind do the same job in every block (any architecture: the names are
-    llama.cpp's converter's)."""
-    import re
-    return re.sub(r"^blk\.\d+\.", "", gguf_name)
-
-
-@torch.no_grad()
-def calibrate_kinds(ctx: Context, model: torch.nn.Module, menus, keys, cache: CandidateCache,
-                    dist: Mapping[str, Sequence[float]], extra: Mapping[str, Sequence[float]],
-                    table: Mapping[str, Sequence[int]], budget: float, blocks: torch.Tensor, *,
-                    clamp: tuple[float, float] = (0.25, 4.0), progress: bool = True) -> dict:
-    """Measured against predicted, per tensor kind (:func:`tensor_kind`): how far the Fisher
-    prior's weight costs ``dist`` (gguf_name -> predicted KL per menu type, nats/token) are off
-    for each kind, from the real KL of the model's forward passes on ``blocks`` (M, T) int64.
-
-    The knapsack's choice under ``dist + extra`` (``extra``: costs not to rescale, e.g. the
-    activation rounding) is put into ``model`` (an ordinary HF model holding the reference
-    weights, e.g. the teacher; its weights are restored afterwards), and KL(model's own logits
-    || the choice's) measured; then, kind by kind, the kind's tensors are set to their
-    best-predicted type and the KL measured again. The kind's scale is the measured drop over
-    the predicted one, clamped to ``clamp`` (1 when nothing is predicted). One forward pass per
-    block for the reference, the choice and each kind that has a tensor off its best type;
-    the reference's log-probabilities are held on the CPU meanwhile (M x T x vocabulary
-    float32).
-
-    Why: the diagonal Fisher's error is not the same for every kind. On SmolLM2 at the Q4_K_M
-    size, llama.cpp's measured KLD over the prediction for moving a kind to Q5_1 was 0.8x for
-    ``ffn_down`` but 1.5-2.7x for ``attn_q``, ``ffn_gate``, ``attn_output`` and the tied
-    ``token_embd`` (docs/method.md), so the knapsack bought too little of the latter.
-
-    Returns ``{kind: {"scale", "measured", "predicted", "tensors"}}`` (KL in nats/token)."""
-    from .gates import write_gguf_into_params
-    from .progress import Progress
-    from .sensitivity import knapsack_choice
-    total = {n: [d + x for d, x in zip(dist[n], extra.get(n, [0.0] * len(dist[n])))]
-             for n in dist}
-    choice = knapsack_choice(total, table, budget)
-    best = {n: int(np.argmin(dist[n])) for n in dist}
-    groups: dict[str, list[str]] = {}
-    for n in sorted(dist):
-        if choice[n] != best[n]:
-            groups.setdefault(tensor_kind(n), []).append(n)
-    if not groups:
-        return {}
-    shapes = {s.gguf_name: s.n_per_row for s in ctx.specs}
-
-    def deq(n, k):
-        t = menus[n][k]
-        return torch.from_numpy(np.ascontiguousarray(
-            _dequantized(cache, keys[(n, t)], t, shapes[n])))
-    params = dict(model.named_parameters(remove_duplicate=True))
-    saved = {p: params[p].detach().clone() for p in ctx.tmap.by_param()}
-    was = model.training
-    model.eval()
-    dev = next(model.parameters()).device
-
-    def logprobs():
-        return [torch.log_softmax(model(b[None].to(dev)).logits.float(), -1).cpu()
-                for b in blocks]
-    prog = Progress(len(groups) + 2, "prior calibration: measured KL per tensor kind",
-                    unit="pass") if progress else None
-    out = {}
-    try:
-        ref = logprobs()
-
-        def kl():
-            v = 0.0
-            for r, lp in zip(ref, logprobs()):
-                v += float((r.exp() * (r - lp)).sum(-1).mean())
-            return v / len(ref)
-        if prog:
-            prog.update(1, note="reference")
-        base = {n: deq(n, choice[n]) for n in dist}
-        write_gguf_into_params(model, ctx.tmap, base)
-        kl0 = kl()
-        if prog:
-            prog.update(1, note=f"the knapsack's choice: KL {kl0:.5f}")
-        for kind, names in groups.items():
-            t = dict(base)
-            t.update({n: deq(n, best[n]) for n in names})
-            write_gguf_into_params(model, ctx.tmap, t)
-            measured = kl0 - kl()
-            predicted = sum(dist[n][choice[n]] - dist[n][best[n]] for n in names)
-            sc = min(max(measured / predicted, clamp[0]), clamp[1]) if predicted > 0 else 1.0
-            out[kind] = {"scale": sc, "measured": measured, "predicted": predicted,
-                         "tensors": len(names)}
-            if prog:
-                prog.update(1, note=f"{kind} x{sc:.2f}")
-    finally:
-        for p, v in saved.items():
-            params[p].copy_(v)
-        model.train(was)
-        if prog:
-            prog.close(ok=len(out) == len(groups))
-    log("prior calibration (measured / predicted KL per tensor kind): " +
-        ", ".join(f"{k} {v['scale']:.2f}" for k, v in sorted(out.items())))
-    return out
 
 
 def _vdt(type_name: str) -> str | None:
