@@ -73,3 +73,34 @@ def test_no_ray_precache_names_the_nonfinite_tensor(tmp_path):
                                          r"at row 3, column 9\)"):
         precache_local([CandidateJob("blk.1.attn_v.weight", w, "Q8_0", None)],
                        CandidateCache(tmp_path), progress=False)
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--stock_types", "Q4_K_M,BOGUS"], ["--stock_types: BOGUS", "Q4_K_M", "IQ2_XXS"]),
+    (["--ctx", "0"], ["--ctx 0", "positive"]),
+    (["--chunks", "0"], ["--chunks 0", "positive"]),
+])
+def test_run_refuses_eval_settings_that_fail_only_at_the_end(tiny_fixed, tmp_path, flags,
+                                                              words):  # noqa: F811
+    """A stock file type llama-quantize does not know (its QUANT_OPTIONS, parsed from the
+    pinned source) or a non-positive --ctx/--chunks would fail after training: refused first."""
+    out = tmp_path / "run"
+    rc, _, err = run_cli(["run", "--model", str(tiny_fixed), "--output_dir", str(out), *SMALL,
+                          *flags])
+    line = error_line(rc, err, "run")
+    assert all(w in line for w in words), line
+    nothing_written(out)
+
+
+def test_serve_port_out_of_range(tmp_path):
+    rc, _, err = run_cli(["serve", "--gguf", str(tmp_path / "x.gguf"), "--port", "99999"])
+    line = error_line(rc, err, "serve")
+    assert "--port 99999" in line and "1 to 65535" in line, line
+
+
+def test_output_dir_that_is_a_file(tiny_fixed, tmp_path):  # noqa: F811
+    f = tmp_path / "fake.gguf"
+    f.write_bytes(b"x")
+    rc, _, err = run_cli(["train", "--model", str(tiny_fixed), "--output_dir", str(f), *SMALL])
+    line = error_line(rc, err, "train")
+    assert "is a file, not a folder" in line, line

@@ -341,6 +341,17 @@ def _check_inputs_early(a) -> None:
             except (KeyError, ValueError) as e:
                 raise UsageError(f"--{flag} {v!r}: {str(e).strip(chr(39))}") from None
     ctx, chunks = getattr(a, "ctx", None), getattr(a, "chunks", None)
+    for flag, v in (("ctx", ctx), ("chunks", chunks)):
+        if v is not None and v < 1:
+            raise UsageError(f"--{flag} {v}: llama-perplexity needs a positive value")
+    stock = getattr(a, "stock_types", None)
+    if stock:  # a file type llama-quantize lacks would fail only after training
+        from .llamacpp import quantize_ftypes
+        known = quantize_ftypes()
+        bad = [t for t in stock.replace(",", " ").split() if known and t.upper() not in known]
+        if bad:
+            raise UsageError(f"--stock_types: {', '.join(bad)} is not a file type llama-quantize "
+                             f"knows; choose from {', '.join(known)} (or '' for none)")
     if ctx and chunks and chunks * (ctx - 1 - ctx // 2) < 100:
         # kl_divergence() in llama.cpp's tools/perplexity: no statistics below 100 scored
         # tokens; each chunk scores its second half (ctx - 1 - ctx/2 tokens)
@@ -528,7 +539,17 @@ def _print_recipe(gguf: Path, base_gguf: Path, imatrix) -> None:
     if tt.is_file():
         from .llamacpp import tool_command
         im = f"--imatrix {imatrix} " if imatrix else ""
-        print(f"the same tensors with stock llama-quantize (F32 base {base_gguf}):\n"
+        own = 0
+        try:
+            from .ggufio import read_gguf
+            f = read_gguf(gguf).fields.get("voodoo.rounding.tensor_count")
+            own = int(f.parts[-1][0]) if f is not None else 0
+        except (OSError, ValueError, IndexError):
+            pass
+        what = ("the same tensors" if not own else
+                f"the same types ({own} tensors then get llama-quantize's bytes, not this file's "
+                "error-feedback ones)")
+        print(f"{what} with stock llama-quantize (F32 base {base_gguf}):\n"
               f"  {tool_command('llama-quantize')} {im}--tensor-type-file {tt} {base_gguf} "
               "out.gguf Q8_0")
 
@@ -536,6 +557,8 @@ def _print_recipe(gguf: Path, base_gguf: Path, imatrix) -> None:
 def _out_dir(a, ctx=None) -> Path:
     if a.output_dir:
         d = Path(a.output_dir)
+        if d.exists() and not d.is_dir():
+            raise UsageError(f"--output_dir {d} is a file, not a folder: give a folder path")
     else:
         name = ctx.prepared.name if ctx is not None else "model"
         d = Path("runs") / name
@@ -1093,7 +1116,7 @@ class Run:
         from .pipeline import fisher_prior
         teacher.to(cfg.device)  # the Fisher's backward passes run where training will
         if cfg.fisher_blocks > len(self.train_blocks):
-            print(f"note: --fisher_blocks {cfg.fisher_blocks} but the dataset has "
+            print(f"[voodoo] note: --fisher_blocks {cfg.fisher_blocks} but the dataset has "
                   f"{len(self.train_blocks)} train blocks; the Fisher uses all "
                   f"{len(self.train_blocks)}", file=sys.stderr)
         # error-feedback candidates: score them with their input correlation (held-out blocks
@@ -1418,9 +1441,15 @@ def _check_journal_early(train_dir: Path, r=None) -> None:
 def _assignment_run_folder(a) -> None:
     """``--assignment A`` without ``--output_dir``: the run folder is A's own folder (its data
     and imatrix), not ``runs/<model name>``, where data and an imatrix would be made anew."""
-    _read_assignment(a.assignment)  # a file that is no assignment: refused before any work
+    asg = _read_assignment(a.assignment)  # no assignment: refused before any work
     if not a.output_dir:
         a.output_dir = str(Path(a.assignment).resolve().parent)
+    rec = asg.get("model")
+    if getattr(a, "model", None) and rec and \
+            Path(str(a.model)).expanduser().resolve() != Path(str(rec)).expanduser().resolve():
+        print(f"[voodoo] warning: {Path(a.assignment).name} was trained on {rec}, not on --model "
+              f"{a.model}: its types are applied to the latter's weights (leave --model out to "
+              "use the recorded model)", file=sys.stderr)
 
 
 def _read_assignment(path) -> dict:
@@ -1884,6 +1913,8 @@ def _serve(argv):
     ap.add_argument("--stop_after", type=float, default=None,
                     help="stop by itself after this many seconds (default: run until Ctrl-C)")
     a = ap.parse_args(argv)
+    if not 1 <= a.port <= 65535:
+        raise UsageError(f"--port {a.port}: a TCP port is 1 to 65535")
     _check_model_gguf(a.gguf)
     import tempfile
     import time as _time

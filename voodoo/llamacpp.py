@@ -80,6 +80,19 @@ def source_dir() -> Path:
     return d
 
 
+def quantize_ftypes() -> list[str] | None:
+    """The file types ``llama-quantize`` accepts by name (``QUANT_OPTIONS`` in the pinned
+    ``tools/quantize/quantize.cpp``, parsed), upper case; None when the source is not here."""
+    import re
+    try:
+        text = (source_dir() / "tools" / "quantize" / "quantize.cpp").read_text()
+    except (LlamaCppNotBuilt, OSError):
+        return None
+    i = text.find("QUANT_OPTIONS")
+    names = re.findall(r'\{\s*"([A-Za-z0-9_]+)"\s*,\s*LLAMA_FTYPE_', text[i:]) if i >= 0 else []
+    return [n.upper() for n in names] or None
+
+
 def lib_path() -> Path:
     """libggml-base.so: ``$VOODOO_GGML_LIB`` or the cached build. Raises LlamaCppNotBuilt."""
     env = os.environ.get("VOODOO_GGML_LIB")

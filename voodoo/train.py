@@ -336,9 +336,10 @@ def check_journal_fits(journal, cfg: "TrainConfig", budget: float, st: dict | No
         diff.append(f"budget_bytes ({int(st['budget_bytes'])} there, {int(budget)} now)")
     if diff:
         raise ValueError(f"{journal} belongs to a different run (differs in {diff}); use the "
-                         f"same settings to resume, a fresh --output_dir, or delete {journal} "
-                         "to train anew here (the folder's data, imatrix and candidates are "
-                         "reused)")
+                         f"same settings to resume (flags left out take their defaults), a "
+                         f"fresh --output_dir, or delete {journal} to train anew here (the "
+                         "folder's data, imatrix and candidates are reused where their "
+                         "settings match)")
 
 
 def _load_journal(path: Path) -> dict:
