@@ -160,21 +160,25 @@ def test_refine_columns_bad_input(problem):
         R.refine_columns(w, cg.quantize(w, "Q4_0", n_threads=1)[:, :-18], "Q4_0", h)
 
 
-@pytest.mark.parametrize("born, t", [("Q4_1", "Q5_1"), ("Q4_1", "Q4_1"), ("Q4_0", "Q5_0"),
-                                     ("Q4_0", "Q8_0"), ("Q5_0", "Q8_0")])
-def test_grid_recovery_stores_a_quantized_born_tensor_exactly(problem, born, t):
+@pytest.mark.parametrize("born, t, with_imatrix, others_inexact", [
+    ("Q4_1", "Q5_1", False, True), ("Q4_0", "Q8_0", True, True), ("Q5_0", "Q8_0", True, True),
+    ("Q4_1", "Q5_1", True, False), ("Q4_0", "Q5_0", True, False), ("Q4_1", "Q4_1", True, False)])
+def test_grid_recovery_stores_a_quantized_born_tensor_exactly(problem, born, t, with_imatrix,
+                                                               others_inexact):
     # weights that are another type's dequantized blocks (a model born quantized, SmolLM2's
-    # Q4_1): the error-feedback bytes hold them without error where the type can, while
-    # llama.cpp's quantizer (scale from the block's range) and the rounding without grid
-    # recovery do not
+    # Q4_1): the error-feedback bytes hold them without error. Where llama.cpp's quantizer
+    # misses the grid (Q8_0 takes amax / 127; Q5_1 without an imatrix (max - min) / 31), so
+    # does the rounding without grid recovery; with an imatrix, llama.cpp's Q5_1/Q5_0 scale
+    # search already finds it (others_inexact False)
     w, imat, h, u = problem
+    im = imat if with_imatrix else None
     src = cg.dequantize(cg.quantize(w, born, n_threads=1), born, COLS, n_threads=1)
-    q = R.quantize_feedback(src, t, imat, h, u=u, sweeps=2)
+    q = R.quantize_feedback(src, t, im, h, u=u, sweeps=2)
     assert R.validate_rows(q, t)
     assert np.array_equal(cg.dequantize(q, t, COLS, n_threads=1), src)
-    if born != t:
-        for other in (cg.quantize(src, t, imatrix=imat, n_threads=1),
-                      R.quantize_feedback(src, t, imat, h, u=u, sweeps=2, grid=False)):
+    if others_inexact:
+        for other in (cg.quantize(src, t, imatrix=im, n_threads=1),
+                      R.quantize_feedback(src, t, im, h, u=u, sweeps=2, grid=False)):
             assert R.proxy_error(src, cg.dequantize(other, t, COLS, n_threads=1), h) > 0
 
 

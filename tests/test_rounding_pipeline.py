@@ -45,7 +45,10 @@ def test_keys_and_bytes():
     assert rounding_tag(h, "F16") == "ggml"  # float types: nothing to round
     # k-quants are tagged apart only when their indices are refined too
     import voodoo.candidates as C
-    assert rounding_tag(h, "Q5_0") == tag and rounding_tag(h, "IQ4_XS") == tag
+    assert rounding_tag(h, "IQ4_XS") == tag and rounding_tag(h, "IQ4_NL") == tag
+    # the uniform 32-block types' bytes come with grid recovery, and their tag says so
+    grid = ":grid:" if C.GRID_RECOVERY else ":"
+    assert rounding_tag(h, "Q5_0") == tag.replace(":cd4:", f":cd4{grid}")
     kd = f":cd{C.GPTQ_SWEEPS}kd{C.GPTQ_KQUANT_SWEEPS}:" if C.GPTQ_KQUANT_SWEEPS else ":cd4:"
     assert rounding_tag(h, "Q6_K") == tag.replace(":cd4:", kd)
     k1 = candidate_key(w, "Q4_K", im, rounding=tag)
