@@ -104,3 +104,20 @@ def test_output_dir_that_is_a_file(tiny_fixed, tmp_path):  # noqa: F811
     rc, _, err = run_cli(["train", "--model", str(tiny_fixed), "--output_dir", str(f), *SMALL])
     line = error_line(rc, err, "train")
     assert "is a file, not a folder" in line, line
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--compression_ratio", "0.5", "--target_bits", "4"],
+     ["--compression_ratio and --target_bits both set a budget"]),
+    (["--imatrix", "no-such.imatrix.gguf"], ["--imatrix no-such.imatrix.gguf: no such file",
+                                             "leave --imatrix out"]),
+])
+def test_train_refuses_conflicting_or_missing_inputs_first(tiny_fixed, tmp_path, flags,
+                                                           words):  # noqa: F811
+    out = tmp_path / "run"
+    rc, _, err = run_cli(["train", "--model", str(tiny_fixed), "--output_dir", str(out),
+                          *flags])
+    line = error_line(rc, err, "train")
+    assert all(w in line for w in words), line
+    assert "--- load model" not in err
+    nothing_written(out)

@@ -358,6 +358,13 @@ def _check_inputs_early(a) -> None:
         raise UsageError(f"--ctx {ctx} --chunks {chunks} scores {chunks * (ctx - 1 - ctx // 2)}"
                          " tokens; llama-perplexity prints no KLD below 100: raise --chunks or "
                          "--ctx")
+    if getattr(a, "compression_ratio", None) is not None and \
+            getattr(a, "target_bits", None) is not None:
+        raise UsageError("--compression_ratio and --target_bits both set a budget; give one")
+    im = getattr(a, "imatrix", None)
+    if im and not Path(im).is_file():
+        raise UsageError(f"--imatrix {im}: no such file (leave --imatrix out to compute one from "
+                         "the calibration text)")
     if getattr(a, "match_size", None):
         _match_size_target(a.match_size)
         given = [f for f in ("compression_ratio", "target_bits")
