@@ -1676,15 +1676,22 @@ def _eval_split_text(a) -> Path:
     """The eval blocks of the run's dataset (``--data_name``, built when missing), decoded and
     written to ``<output_dir>/eval/eval-split.txt``: llama-perplexity's text when
     ../shared/data/wikitext-2-raw-test.txt is not beside the checkout."""
-    from .fsutil import atomic_write_text
     r = Run(a)
     r.context()
     r.data()
+    return _write_eval_split(r)
+
+
+def _write_eval_split(r) -> Path:
+    """The run ``r``'s eval blocks decoded to ``<output_dir>/eval/eval-split.txt`` (atomically),
+    said in one line: llama-perplexity's text for ``eval --gguf`` and ``run`` when there is no
+    ``--eval_text`` and no ../shared/data/wikitext-2-raw-test.txt."""
+    from .fsutil import atomic_write_text
     text = r.out / "eval" / "eval-split.txt"
     atomic_write_text(text, "\n".join(r.ctx.tokenizer.decode(b) for b in r.eval_blocks))
-    print(f"no --eval_text and no ../shared/data/wikitext-2-raw-test.txt: measuring on the "
-          f"eval split of {a.data_name} ({len(r.eval_blocks)} blocks), {text}",
-          file=sys.stderr)
+    print(f"[voodoo] no --eval_text and no ../shared/data/wikitext-2-raw-test.txt: measuring on "
+          f"the eval split of {r.a.data_name} ({len(r.eval_blocks)} blocks), {text}",
+          file=sys.stderr, flush=True)
     return text
 
 

@@ -45,18 +45,12 @@ def compare_with_stock(r) -> list[dict]:
     """Quantizes ``r.a.stock_types``, evaluates them, the Voodoo GGUF and the reference with
     llama-perplexity (``--kl-divergence`` against the reference), prints the table and the
     timing, and writes ``<output_dir>/eval/report.{json,md}``. Returns the rows."""
-    from .cli import _default_eval_text
+    from .cli import _default_eval_text, _write_eval_split
     from .evaluate import format_table, run_perplexity, save_report
     a, out = r.a, r.out
     text = Path(a.eval_text) if a.eval_text else _default_eval_text()
     if text is None:
-        from .fsutil import atomic_write_text
-        text = out / "eval" / "eval-split.txt"
-        text.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(text, "\n".join(r.ctx.tokenizer.decode(b) for b in r.eval_blocks))
-        print(f"[voodoo] no --eval_text and no ../shared/data/wikitext-2-raw-test.txt: "
-              f"llama-perplexity measures the held-out eval split of {a.data_name} "
-              f"({len(r.eval_blocks)} blocks), {text}", flush=True)
+        text = _write_eval_split(r)
     ref = r.ctx.prepared.reference_gguf
     files = [("Voodoo", r.gguf)]
     with r.timer("stock llama-quantize"):
