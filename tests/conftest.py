@@ -4,6 +4,7 @@ loads something big."""
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,25 @@ def _smol_gguf() -> Path:
         return Path(os.environ["VOODOO_TEST_GGUF"])
     from voodoo.models import default_model
     return default_model()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _drop_temporary_model_cache_entries():
+    """Prepared-model entries (``<cache>/models/<key>``, an F32 GGUF each) made this session
+    from models in temporary folders are removed at the end: no later run can hit them (the
+    folders are gone), and a full run makes ~50 of them (several GB)."""
+    import tempfile
+
+    from voodoo.llamacpp import cache_root
+    from voodoo.models import model_cache_source
+    root = cache_root() / "models"
+    before = set(root.iterdir()) if root.is_dir() else set()
+    yield
+    tmp = str(Path(tempfile.gettempdir()).resolve())
+    for e in (set(root.iterdir()) if root.is_dir() else set()) - before:
+        src = model_cache_source(e)
+        if src and (src.startswith(tmp + os.sep) or not Path(src).exists()):
+            shutil.rmtree(e, ignore_errors=True)
 
 
 SMOL_GGUF = _smol_gguf()

@@ -99,6 +99,30 @@ def test_prepare_hf_folder(tiny_prepared, tiny_model_dir):
     assert again.base_gguf == p.base_gguf
 
 
+def test_model_cache_replaces_a_changed_folder(tiny_model_dir, tmp_path, monkeypatch):
+    """An HF folder prepared into the shared cache (no work_dir) records its source; once the
+    folder changes (new key), preparing it again removes the stale F32 copy, and an entry of
+    another folder stays."""
+    import os
+    import shutil
+
+    import voodoo.models as vm
+    monkeypatch.setattr(vm, "cache_root", lambda: tmp_path / "cache")
+    a, b = tmp_path / "a", tmp_path / "b"
+    shutil.copytree(tiny_model_dir, a)
+    shutil.copytree(tiny_model_dir, b)
+    first = prepare_model(a).base_gguf.parent
+    other = prepare_model(b).base_gguf.parent
+    assert vm.model_cache_source(first) == str(a.resolve()) and first != other
+    st = (a / "config.json").stat()
+    os.utime(a / "config.json", ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    second = prepare_model(a).base_gguf.parent
+    assert second != first and not first.exists() and second.is_dir()
+    assert other.is_dir() and vm.model_cache_source(other) == str(b.resolve())
+    assert sorted(e.name for e in (tmp_path / "cache" / "models").iterdir()) == sorted(
+        [second.name, other.name])
+
+
 def test_make_tiny_model_is_deterministic(tiny_model_dir, tmp_path):
     from safetensors.numpy import load_file
 

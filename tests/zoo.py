@@ -22,6 +22,7 @@ Folders are cached per process under ``$VOODOO_ZOO_DIR`` or a temporary folder
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import shutil
@@ -164,6 +165,7 @@ def zoo_dir() -> Path:
         return _TMP
     except NameError:
         _TMP = Path(tempfile.mkdtemp(prefix="voodoo-zoo-"))
+        atexit.register(shutil.rmtree, _TMP, ignore_errors=True)   # ~0.8 GB per test run
         return _TMP
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import platform
 import sys
+from pathlib import Path
 
 import numpy as np
 
@@ -138,7 +139,7 @@ def run(out=sys.stdout, model: str | None = None) -> int:
 
     line("llama.cpp commit", llamacpp.llama_cpp_commit() + (
         "" if not os.environ.get("VOODOO_LLAMA_CPP_COMMIT") else " (VOODOO_LLAMA_CPP_COMMIT)"))
-    line("cache", str(llamacpp.cache_root()))
+    line("cache", f"{llamacpp.cache_root()} ({cache_usage(llamacpp.cache_root())})")
     try:
         import cython_ggml
         line("libggml-base", cython_ggml.library_path())
@@ -184,3 +185,25 @@ def run(out=sys.stdout, model: str | None = None) -> int:
         return 1
     print("\nall good", file=out)
     return 0
+
+
+def cache_usage(root: Path) -> str:
+    """``"3.2 GiB: models 2.1, candidates 0.8, ..."``: the size of Voodoo's cache and of its
+    largest sub-folders (GiB), so a full disk is easy to trace. Every sub-folder is safe to
+    delete; it is rebuilt on demand (``llama.cpp`` by ``voodoo bootstrap``)."""
+    root = Path(root)
+    if not root.is_dir():
+        return "empty"
+    sizes = {}
+    for sub in root.iterdir():
+        n = 0
+        for dirpath, _dirs, files in os.walk(sub) if sub.is_dir() else [(root, [], [sub.name])]:
+            for f in files:
+                try:
+                    n += os.lstat(os.path.join(dirpath, f)).st_size
+                except OSError:
+                    pass
+        sizes[sub.name] = n
+    total = sum(sizes.values()) / 2**30
+    top = sorted(sizes.items(), key=lambda kv: -kv[1])[:4]
+    return f"{total:.1f} GiB: " + ", ".join(f"{k} {v / 2**30:.1f}" for k, v in top if v)

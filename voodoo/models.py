@@ -158,10 +158,50 @@ def _hub_cached(repo_id: str) -> Path | None:
     return d if (d / "config.json").is_file() else None
 
 
-def _cache_dir(key: str, work_dir) -> Path:
-    d = Path(work_dir) if work_dir is not None else cache_root() / "models" / key
+#: Written into each ``<cache>/models/<key>/`` entry: the input it was prepared from.
+SOURCE_FILE = "source.json"
+
+
+def _cache_dir(key: str, work_dir, source: Path | None = None) -> Path:
+    """The folder a prepared model lives in: ``work_dir`` when given, else
+    ``<cache>/models/<key>``. With ``source`` (the input file or folder), the entry records it
+    in ``source.json`` and, when the entry is new, older entries prepared from the same path
+    (the file or folder changed since; their key no longer matches) are removed, so editing
+    a model folder does not leave a stale F32 copy behind each time."""
+    if work_dir is not None:
+        d = Path(work_dir)
+        d.mkdir(parents=True, exist_ok=True)
+        return d
+    root = cache_root() / "models"
+    d = root / key
+    if source is not None:
+        src = str(Path(source).resolve())
+        if not d.is_dir():
+            _drop_stale_entries(root, src, keep=key)
+        d.mkdir(parents=True, exist_ok=True)
+        from .fsutil import atomic_write_text
+        if not (d / SOURCE_FILE).is_file():
+            atomic_write_text(d / SOURCE_FILE, json.dumps({"source": src}) + "\n")
     d.mkdir(parents=True, exist_ok=True)
     return d
+
+
+def model_cache_source(entry: Path) -> str | None:
+    """The input path a ``<cache>/models/<key>`` entry was prepared from (None when the entry
+    predates ``source.json`` or is not a prepared model)."""
+    try:
+        return json.loads((Path(entry) / SOURCE_FILE).read_text())["source"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _drop_stale_entries(root: Path, src: str, keep: str) -> None:
+    if not root.is_dir():
+        return
+    for e in root.iterdir():
+        if e.name != keep and e.is_dir() and model_cache_source(e) == src:
+            _log(f"removing {e}: a stale copy of {src} (it has changed since)")
+            shutil.rmtree(e, ignore_errors=True)
 
 
 # ----------------------------------------------------------------------------- GGUF input
@@ -172,7 +212,7 @@ def _prepare_gguf(path: Path, work_dir) -> PreparedModel:
     except Exception as e:
         raise ModelPreparationError(f"{path} is not a readable GGUF file: {e}") from e
     key = sha256_file(path)[:16]
-    d = _cache_dir(key, work_dir)
+    d = _cache_dir(key, work_dir, source=path)
     hf_dir = d / "hf"
     if not (hf_dir / "config.json").is_file():
         _gguf_to_hf(path, hf_dir, arch)
@@ -314,7 +354,7 @@ def _prepare_hf_dir(d: Path, work_dir, name: str | None = None,
     key = _dir_key(d)
     if flags:
         key = hashlib.sha256(f"{key}\0{json.dumps(flags)}".encode()).hexdigest()[:16]
-    out = _cache_dir(key, work_dir)
+    out = _cache_dir(key, work_dir, source=d)
     base = out / "base-f32.gguf"
     if not base.is_file():
         convert_hf_to_f32_gguf(d, base, extra_args=flags)
