@@ -189,8 +189,9 @@ def run(out=sys.stdout, model: str | None = None) -> int:
 
 def cache_usage(root: Path) -> str:
     """``"3.2 GiB: models 2.1, candidates 0.8, ..."``: the size of Voodoo's cache and of its
-    largest sub-folders (GiB), so a full disk is easy to trace. Every sub-folder is safe to
-    delete; it is rebuilt on demand (``llama.cpp`` by ``voodoo bootstrap``)."""
+    largest sub-folders (GiB), so a full disk is easy to trace. What is deleted there is rebuilt
+    on demand (``llama.cpp`` by ``voodoo bootstrap``), except ``models/by-sha256``: the map from
+    an exported GGUF's ``voodoo.model`` hash to its reference model."""
     root = Path(root)
     if not root.is_dir():
         return "empty"
