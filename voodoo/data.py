@@ -391,6 +391,11 @@ def _blocks(ids: list[int], seq_len: int, n_blocks: int | None) -> torch.Tensor:
     return torch.tensor(ids[:n * seq_len], dtype=torch.long).reshape(n, seq_len)
 
 
+#: the way out when a corpus is too small for the blocks asked of it
+_NEED_MORE = (" (ask for fewer blocks with --n_eval_blocks/--n_train_blocks, a shorter "
+              "--seq_len, or a bigger --data_name source)")
+
+
 def build_dataset(tokenizer, source: str | os.PathLike = DEFAULT_SOURCE,
                   output_dir: str | os.PathLike = "data", seq_len: int = 512,
                   n_train_blocks: int | None = 128, n_eval_blocks: int = 16,
@@ -426,7 +431,7 @@ def build_dataset(tokenizer, source: str | os.PathLike = DEFAULT_SOURCE,
         if len(eval_ids) < n_eval_tok:
             raise DatasetError(f"{desc}: all {len(docs)} documents give {len(eval_ids)} tokens, "
                                f"fewer than the {n_eval_tok} that {n_eval_blocks} eval blocks "
-                               f"of {seq_len} need")
+                               f"of {seq_len} need{_NEED_MORE}")
     else:
         eval_ids, n_eval_docs = [], 0
     if n_eval_blocks and n_eval_docs >= len(docs):
@@ -437,7 +442,7 @@ def build_dataset(tokenizer, source: str | os.PathLike = DEFAULT_SOURCE,
         if len(stream) - n_eval_tok < max(seq_len, n_train_tok or 0):
             raise DatasetError(f"{desc}: {len(stream)} tokens in all; {n_eval_blocks} eval "
                                f"blocks and {n_train_blocks or 1} train block(s) of {seq_len} "
-                               "need more (ask for fewer blocks or give a bigger source)")
+                               f"need more{_NEED_MORE}")
         split = "tokens"
         warnings.warn(f"{desc}: {len(docs)} document(s), too few to keep eval and train "
                       f"documents apart; eval takes the last {n_eval_tok} tokens of the text "
@@ -450,10 +455,11 @@ def build_dataset(tokenizer, source: str | os.PathLike = DEFAULT_SOURCE,
     if n_train_tok is not None and len(train_ids) < n_train_tok:
         raise DatasetError(f"{desc}: the {len(train_docs)} train documents give "
                            f"{len(train_ids)} tokens, fewer than the {n_train_tok} that "
-                           f"{n_train_blocks} train blocks of {seq_len} need")
+                           f"{n_train_blocks} train blocks of {seq_len} need{_NEED_MORE}")
     train = _blocks(train_ids, seq_len, n_train_blocks)
     if train.shape[0] == 0:
-        raise DatasetError(f"{desc}: not enough train tokens for one block of {seq_len}")
+        raise DatasetError(f"{desc}: not enough train tokens for one block of {seq_len}"
+                           f"{_NEED_MORE}")
     evalb = _blocks(eval_ids, seq_len, n_eval_blocks)
 
     out = Path(output_dir)
