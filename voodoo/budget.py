@@ -93,10 +93,13 @@ def check_reachable(budget: float, bytes_table: Mapping[str, Sequence[int]], sha
     if lo <= budget <= hi:
         return
     q8 = q8_0_bytes(shapes)
+    bpw = 8.0 / n_weights(shapes)
     raise ValueError(
-        f"budget {int(budget)} bytes ({budget / q8:.4f} x Q8_0) is outside the reachable range "
-        f"of the menus: {lo}..{hi} bytes = compression ratio {lo / q8:.4f}..{hi / q8:.4f} of "
-        f"Q8_0 ({q8} bytes); choose a compression ratio in that range or widen the menus")
+        f"budget {int(budget)} bytes ({budget / q8:.4f} x Q8_0, {budget * bpw:.3f} bpw) is "
+        f"outside the reachable range of the menus: {lo}..{hi} bytes = compression ratio "
+        f"{lo / q8:.4f}..{hi / q8:.4f} of Q8_0 ({q8} bytes) = {lo * bpw:.3f}..{hi * bpw:.3f} "
+        "bits per weight; choose a --compression_ratio or --target_bits in that range or widen "
+        "the menus")
 
 
 def size_penalty(size, budget: float, tolerance: float, weight: float):
