@@ -170,3 +170,18 @@ def test_imatrix_rules(weights):
     with pytest.raises(ValueError):  # 500 is not a multiple of 256
         C.plan_precache([(name, np.zeros((4, 500), np.float32), "Q4_K", None)],
                         C.CandidateCache("/nonexistent"))
+
+
+def test_precache_summary_says_which_bytes():
+    """The two precache lines of --rounding auto (llama-quantize's bytes, then the
+    error-feedback ones) differ in what they say, not only in their timing."""
+    from types import SimpleNamespace
+
+    from voodoo.candidates import PrecacheResult
+    g = PrecacheResult({("a", "Q4_K"): SimpleNamespace(rounding="ggml"),
+                        ("b", "Q4_K"): SimpleNamespace(rounding="ggml")})
+    f = PrecacheResult({("a", "Q4_K"): SimpleNamespace(rounding="gptq"),
+                        ("b", "Q4_K"): SimpleNamespace(rounding="ggml")})
+    g.hits = f.hits = 2
+    assert g.summary().startswith("2 candidates: 2 cached, 0 quantized in ")
+    assert f.summary().startswith("2 candidates (1 with error-feedback bytes): 2 cached")

@@ -111,6 +111,9 @@ def test_output_dir_that_is_a_file(tiny_fixed, tmp_path):  # noqa: F811
      ["--compression_ratio and --target_bits both set a budget"]),
     (["--imatrix", "no-such.imatrix.gguf"], ["--imatrix no-such.imatrix.gguf: no such file",
                                              "leave --imatrix out"]),
+    (["--compression_ratio", "-0.5"], ["--compression_ratio -0.5: must be positive"]),
+    (["--target_bits", "0"], ["--target_bits 0.0: must be positive"]),
+    (["--compression_ratio", "1.7"], ["a budget above the Q8_0 size", "at most 1.0"]),
 ])
 def test_train_refuses_conflicting_or_missing_inputs_first(tiny_fixed, tmp_path, flags,
                                                            words):  # noqa: F811
@@ -121,3 +124,16 @@ def test_train_refuses_conflicting_or_missing_inputs_first(tiny_fixed, tmp_path,
     assert all(w in line for w in words), line
     assert "--- load model" not in err
     nothing_written(out)
+    assert not out.exists(), "a refused command left its new --output_dir behind"
+
+
+def test_failed_command_keeps_an_output_dir_it_did_not_make(tmp_path):
+    """The empty new --output_dir of a failed command is removed; one that existed before
+    (empty or not) is left alone."""
+    for out in (tmp_path / "new", tmp_path / "old"):
+        if out.name == "old":
+            out.mkdir()
+        rc, _, err = run_cli(["train", "--model", str(tmp_path / "no-such-model"),
+                              "--output_dir", str(out)])
+        assert rc == 2 and "no such file or folder" in err, err[-2000:]
+        assert out.exists() == (out.name == "old")

@@ -103,6 +103,10 @@ def test_run_writes_every_stage(tiny_run):
     assert pre["ok"] and pre["kld_mean"] < 1e-3 and pre["same_top_p"] > 0.99, pre
     rows = json.loads((out / "eval" / "report.json").read_text())
     assert [r["file"] for r in rows] == ["Voodoo"]
+    # report.md says what was measured, and holds the table the run printed
+    md = (out / "eval" / "report.md").read_text().splitlines()
+    assert md[0].startswith("llama-perplexity -c ") and " on " in md[0] and "KLD vs" in md[0]
+    assert md[0] in tiny_run["stdout"] and md[2] in tiny_run["stdout"], md[:3]
     # the default gate init is the Fisher knapsack; its report covers every tensor and its
     # choice fits the budget
     sens = json.loads((out / "train" / "sensitivity.json").read_text())

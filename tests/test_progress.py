@@ -64,3 +64,18 @@ def test_tqdm_in_a_log_file_has_no_carriage_returns(tmp_path):
     lines = [l for l in text.splitlines() if l.strip()]
     assert lines[-1].startswith("gates: 100%")
     assert 2 <= len(lines) < 30                       # throttled, not one line per step
+
+
+def test_min_gap_keeps_a_fast_stage_short():
+    """A fast stage of few units (llama-perplexity's 8 chunks) prints its end, not a line per
+    unit, when 10%-step lines must be min_gap_s apart; the heartbeat still comes every_s."""
+    buf = io.StringIO()
+    with Progress(8, "llama-perplexity x.gguf", stream=buf, prefix="", min_gap_s=60.0) as p:
+        for _ in range(8):
+            p.update(1)
+    lines = buf.getvalue().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("llama-perplexity x.gguf: done in "), lines
+    buf = io.StringIO()
+    p = Progress(8, "slow", stream=buf, prefix="", min_gap_s=60.0, every_s=0.0)
+    p.update(1)
+    assert buf.getvalue().startswith("slow: 12% (")

@@ -624,7 +624,10 @@ class PrecacheResult(dict):
         self.stats: dict = {}
 
     def summary(self) -> str:
-        return (f"{len(self)} candidates: {self.hits} cached, {self.misses} quantized "
+        """``"N candidates[ (M with error-feedback bytes)]: H cached, Q quantized in S s"``."""
+        fb = sum(1 for k in self.values() if getattr(k, "rounding", "ggml") != "ggml")
+        what = f" ({fb} with error-feedback bytes)" if fb else ""
+        return (f"{len(self)} candidates{what}: {self.hits} cached, {self.misses} quantized "
                 f"in {self.stats.get('seconds', 0.0):.1f} s")
 
 

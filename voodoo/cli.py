@@ -26,6 +26,14 @@ class UsageError(ValueError):
     """Bad input found by the CLI itself (reported as one line, exit code 2)."""
 
 
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser, but a bad flag gets one line naming it and where the flags are
+    listed, not the whole usage block first (Voodoo's commands have dozens of flags)."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} ({self.prog} -h lists the flags)\n")
+
+
 class HelpFormatter(argparse.HelpFormatter):
     """Shows each flag's default once: appends ``(default: X)`` unless the help text already
     speaks of its default (defaults computed at run time, e.g. the 0.55 budget, are written in
@@ -361,6 +369,21 @@ def _check_inputs_early(a) -> None:
     if getattr(a, "compression_ratio", None) is not None and \
             getattr(a, "target_bits", None) is not None:
         raise UsageError("--compression_ratio and --target_bits both set a budget; give one")
+    for flag, example in (("compression_ratio", "0.45 (45% of the Q8_0 size)"),
+                          ("target_bits", "4.25 (bits per weight)")):
+        v = getattr(a, flag, None)
+        if v is not None and not v > 0:
+            raise UsageError(f"--{flag} {v}: must be positive, e.g. --{flag} {example}")
+    ratio = getattr(a, "compression_ratio", None)
+    if ratio is not None and ratio > 1.0:
+        from . import quants
+        named = [t for f in ("candidate_types", "attention_candidates",
+                             "non_attention_candidates")
+                 for t in (parse_types(getattr(a, f, None)) or [])]
+        if max(quants.qtype(t).bpw for t in named + ["Q8_0"]) <= quants.qtype("Q8_0").bpw:
+            raise UsageError(f"--compression_ratio {ratio}: a budget above the Q8_0 size, and "
+                             "no candidate type is larger than Q8_0; the ratio is a fraction "
+                             "of the Q8_0 size (Voodoo45 = 0.45): give one at most 1.0")
     im = getattr(a, "imatrix", None)
     if im and not Path(im).is_file():
         raise UsageError(f"--imatrix {im}: no such file (leave --imatrix out to compute one from "
@@ -856,7 +879,8 @@ class Run:
                   "hessians_version": 3, "head_tokens": 4096}
         with self.timer("held-out Hessians"):
             heldout = ensure_hessians(self.ctx, self.out / "hessians-heldout.npz", held,
-                                      {"model": inputs["model"], "tokens": inputs["tokens"]})
+                                      {"model": inputs["model"], "tokens": inputs["tokens"]},
+                                      label="held-out Hessians")
         self.heldout_hessians = heldout  # also the Fisher prior's input correlation
         with self.timer("rounding choice"):
             self.feedback = choose_rounding(
@@ -1261,7 +1285,7 @@ def _bootstrap(argv):
 
 def _doctor(argv):
     from . import doctor
-    ap = argparse.ArgumentParser(
+    ap = ArgumentParser(
         formatter_class=HelpFormatter, prog="voodoo doctor",
         description="what this machine has for Voodoo (Python, torch, accelerators, Ray, "
                     "llama.cpp's tools) and a self-check of the libggml bridge; with --model, "
@@ -1275,7 +1299,7 @@ def _doctor(argv):
 
 
 def _data(argv):
-    ap = argparse.ArgumentParser(
+    ap = ArgumentParser(
         formatter_class=HelpFormatter, prog="voodoo data",
         description="tokenize a corpus into train/eval blocks of --seq_len")
     _model_flags(ap)
@@ -1297,7 +1321,7 @@ def _data(argv):
 
 
 def _make_teacher(argv):
-    ap = argparse.ArgumentParser(
+    ap = ArgumentParser(
         formatter_class=HelpFormatter, prog="voodoo make-teacher",
         description="write the BF16 base checkpoint and the Q8_0 teacher")
     _model_flags(ap)
@@ -1317,7 +1341,7 @@ def _make_teacher(argv):
 
 
 def _precache(argv):
-    ap = argparse.ArgumentParser(
+    ap = ArgumentParser(
         formatter_class=HelpFormatter, prog="voodoo precache",
         description="quantize every (tensor, menu type) with libggml into the candidate cache "
                     "(Ray actors)")
@@ -1336,7 +1360,7 @@ def _precache(argv):
 
 
 def _train(argv, run_all=False):
-    ap = argparse.ArgumentParser(
+    ap = ArgumentParser(
         formatter_class=HelpFormatter, prog="voodoo run" if run_all else "voodoo train",
         description="gate training (and, for run, everything else)")
     _model_flags(ap)
@@ -1562,7 +1586,7 @@ def _check_assignment_imatrix(a, asg, r) -> None:
 
 
 def _export(argv):
-    ap = argparse.ArgumentParser(
+    ap = ArgumentParser(
         formatter_class=HelpFormatter, prog="voodoo export",
         description="write the GGUF of a baked assignment")
     _model_flags(ap, "run folder: its data and imatrix are used, the GGUF is written there "
@@ -1608,7 +1632,7 @@ def _export(argv):
 
 
 def _eval(argv):
-    ap = argparse.ArgumentParser(
+    ap = ArgumentParser(
         formatter_class=HelpFormatter, prog="voodoo eval",
         description="with --gguf: llama-perplexity PPL, KLD and same-top-p of GGUF files "
                     "against the unquantized base; with --assignment: torch PPL and "
@@ -1742,7 +1766,7 @@ def _tp(argv):
     --num_workers N <flags>`` in this process, with the vendor environment defaults
     (:func:`voodoo.doctor.vendor_env`) set where the user has not set them. Flags after ``--``
     win (``--tensor_parallel 2`` with ``--nproc 4``: two replicas of two ranks)."""
-    ap = argparse.ArgumentParser(
+    ap = ArgumentParser(
         formatter_class=HelpFormatter, prog="voodoo tp",
         description="gate training on N Ray Train workers, tensor parallel (flags after -- go "
                     "to voodoo train)")
@@ -1766,7 +1790,7 @@ def _tp(argv):
 def _tune(argv):
     """``voodoo tune``: a Ray Tune sweep (cluster.tune.run_sweep) of size_weight /
     size_tolerance (/ lr) on this model; ``--export`` bakes and writes the best trial."""
-    ap = argparse.ArgumentParser(
+    ap = ArgumentParser(
         formatter_class=HelpFormatter, prog="voodoo tune",
         description="Ray Tune sweep of the size penalty (size_weight, size_tolerance, "
                     "optionally lr)")
@@ -1848,7 +1872,7 @@ def _chat(argv):
     """``voodoo chat --gguf F [--prompt P] [--reference]``: one greedy answer from the GGUF
     (llama-completion with the GGUF's chat template) and, with --reference, from the model's
     unquantized reference on the same prompt."""
-    ap = argparse.ArgumentParser(
+    ap = ArgumentParser(
         formatter_class=HelpFormatter, prog="voodoo chat",
         description="one greedy answer (llama-completion, the GGUF's chat template) from a "
                     "GGUF and, with --reference, from its unquantized reference model on the "
@@ -1908,7 +1932,7 @@ def _reference_of(a) -> Path:
 def _serve(argv):
     """``voodoo serve --gguf F [--port P]``: llama-server on 127.0.0.1 until Ctrl-C (or
     --stop_after seconds)."""
-    ap = argparse.ArgumentParser(
+    ap = ArgumentParser(
         formatter_class=HelpFormatter, prog="voodoo serve",
         description="serve a GGUF with llama-server on 127.0.0.1 (OpenAI-compatible "
                     "/v1/chat/completions and /v1/completions, llama.cpp's /completion); "
@@ -2007,8 +2031,12 @@ def main(argv: list[str] | None = None) -> int:
     old_term = None
     if threading.current_thread() is threading.main_thread():
         old_term = signal.signal(signal.SIGTERM, _on_term)
+    new_dir = _new_output_dir(argv[1:])
+    ok = False
     try:
-        return int(fn(argv[1:]) or 0)
+        rc = int(fn(argv[1:]) or 0)
+        ok = rc == 0
+        return rc
     except (ValueError, OSError, RuntimeError) as e:
         # bad input: one clear line, no traceback (VOODOO_DEBUG=1 shows it)
         if os.environ.get("VOODOO_DEBUG"):
@@ -2028,6 +2056,30 @@ def main(argv: list[str] | None = None) -> int:
         warnings.formatwarning = old_format
         if old_term is not None:
             signal.signal(signal.SIGTERM, old_term)
+        if not ok and new_dir is not None:
+            _remove_if_empty(new_dir)
+
+
+def _new_output_dir(args: list[str]) -> Path | None:
+    """The ``--output_dir`` this command names, when it does not exist yet: a command that
+    fails removes it again if it is still empty (a refused flag leaves no empty run folder)."""
+    for i, x in enumerate(args):
+        v = args[i + 1] if x == "--output_dir" and i + 1 < len(args) else \
+            x.split("=", 1)[1] if x.startswith("--output_dir=") else None
+        if v:
+            p = Path(v)
+            return None if p.exists() else p
+    return None
+
+
+def _remove_if_empty(d: Path) -> None:
+    """Removes ``d`` and the empty folders inside it when nothing else is there."""
+    try:
+        for sub in sorted((p for p in d.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)):
+            sub.rmdir()
+        d.rmdir()
+    except OSError:
+        pass   # something was written there: keep it
 
 
 if __name__ == "__main__":

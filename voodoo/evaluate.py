@@ -221,7 +221,7 @@ def _run_tool(args: list[str], timeout: float | None, desc: str | None = None) -
             if state["bar"] is None:
                 m = _TOTAL.search(text)
                 if m:
-                    state["bar"] = Progress(int(m.group(1)), desc, unit="chunk")
+                    state["bar"] = Progress(int(m.group(1)), desc, unit="chunk", min_gap_s=10.0)
             if state["bar"] is not None:
                 state["bar"].set(_chunks_done(text))
         parts.append(buf.decode(errors="replace"))
@@ -407,14 +407,16 @@ def _write_atomic(path: Path, text: str) -> None:
 
 
 def save_report(rows: Sequence[Mapping], path: str | os.PathLike,
-                columns: Sequence[str] | None = None) -> tuple[Path, Path]:
+                columns: Sequence[str] | None = None, title: str | None = None
+                ) -> tuple[Path, Path]:
     """Writes ``rows`` as ``<path>.json`` (a list of dicts) and ``<path>.md`` (the table of
-    :func:`format_table`), atomically. Returns both paths."""
+    :func:`format_table`, after ``title`` and a blank line when one is given: say there what
+    was measured, e.g. the text and the chunks), atomically. Returns both paths."""
     base = Path(path)
     base = base.with_suffix("") if base.suffix in (".json", ".md") else base
     pj, pm = base.with_name(base.name + ".json"), base.with_name(base.name + ".md")
     _write_atomic(pj, json.dumps(list(rows), indent=1, default=str) + "\n")
-    _write_atomic(pm, format_table(rows, columns))
+    _write_atomic(pm, (f"{title}\n\n" if title else "") + format_table(rows, columns))
     return pj, pm
 
 

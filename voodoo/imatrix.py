@@ -118,7 +118,7 @@ def compute_imatrix(model: torch.nn.Module, blocks: torch.Tensor | Sequence[torc
 
 
 def compute_hessians(model: torch.nn.Module, blocks: torch.Tensor,
-                     name_map: Mapping[str, str], progress: bool = False
+                     name_map: Mapping[str, str], progress: bool | str = False
                      ) -> dict[str, np.ndarray]:
     """The input Hessian of each mapped ``nn.Linear``: ``H = X^T X / n_tokens`` over the
     calibration ``blocks`` (LongTensor ``(n_blocks, seq_len)``), for error-feedback rounding
@@ -169,7 +169,8 @@ def compute_hessians(model: torch.nn.Module, blocks: torch.Tensor,
     it = range(rows.shape[0])
     if progress:
         from tqdm import tqdm
-        it = tqdm(it, desc="input Hessians", unit="block")
+        it = tqdm(it, desc=progress if isinstance(progress, str) else "input Hessians",
+                  unit="block")
     try:
         with torch.no_grad():
             for i in it:

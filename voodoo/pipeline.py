@@ -358,7 +358,8 @@ def ensure_imatrix(ctx: Context, path, blocks: torch.Tensor | None = None,
 
 # ------------------------------------------------------------------- input Hessians
 def ensure_hessians(ctx: Context, path, blocks: torch.Tensor | None = None,
-                    inputs: dict | None = None) -> dict[str, np.ndarray]:
+                    inputs: dict | None = None, label: str = "input Hessians"
+                    ) -> dict[str, np.ndarray]:
     """The input Hessians for ``--rounding gptq``: gguf_name -> float32 (n_per_row,
     n_per_row) (:func:`voodoo.imatrix.compute_hessians` on the calibration ``blocks``), for
     every selectable tensor that llama.cpp reads as a plain matmul of some ``nn.Linear``'s
@@ -367,7 +368,8 @@ def ensure_hessians(ctx: Context, path, blocks: torch.Tensor | None = None,
     real KL on held-out enwiki blocks: Q5_1 0.0078 -> 0.0055, Q5_0 0.0166 -> 0.0095, IQ4_NL
     0.055 -> 0.030 nats/token with error feedback). Saved at ``path`` (``.npz``, atomically)
     with ``inputs`` (what they were made from, e.g. model and tokens) and reused while
-    ``inputs`` match.
+    ``inputs`` match. ``label``: what the log line and the progress bar call them (e.g.
+    ``"held-out Hessians"``).
 
     Raises ValueError when the file is missing or stale and no ``blocks`` are given."""
     from .imatrix import compute_hessians
@@ -383,9 +385,9 @@ def ensure_hessians(ctx: Context, path, blocks: torch.Tensor | None = None,
     if blocks is None:
         raise ValueError("no input Hessians file and no calibration blocks to compute one")
     names = dict(_linear_name_map(ctx, partial=True) or {})
-    log(f"computing input Hessians of {len(set(names.values()))} tensors on {blocks.shape[0]} "
-        f"x {blocks.shape[1]} calibration tokens")
-    hs = compute_hessians(ctx.model, blocks, names, progress=True)
+    log(f"computing {label} of {len(set(names.values()))} tensors on {blocks.shape[0]} "
+        f"x {blocks.shape[1]} tokens")
+    hs = compute_hessians(ctx.model, blocks, names, progress=label)
     first: dict[int, str] = {}  # tensors sharing one input (q/k/v) share one array
     alias = {g: first.setdefault(id(h), g) for g, h in hs.items()}
     tmp = path.with_name(f".{path.name}.partial-{os.getpid()}.npz")

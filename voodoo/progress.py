@@ -49,13 +49,16 @@ class Progress:
         stream: where to write (default stderr).
         every_s: in plain-line mode, the longest silence between lines (seconds).
         tty: force the mode (default: ``stream.isatty()``).
+        min_gap_s: in plain-line mode, the shortest time between two 10%-step lines (a fast
+            stage of few units then prints a line or two and its end, not one per unit).
     """
 
     def __init__(self, total: int, desc: str, unit: str = "it", stream=None,
-                 every_s: float = 30.0, tty: bool | None = None, prefix: str = "[voodoo] "):
+                 every_s: float = 30.0, tty: bool | None = None, prefix: str = "[voodoo] ",
+                 min_gap_s: float = 0.0):
         self.total, self.desc, self.n = int(total), desc, 0
         self.stream = sys.stderr if stream is None else stream
-        self.every_s, self.prefix = every_s, prefix
+        self.every_s, self.prefix, self.min_gap_s = every_s, prefix, min_gap_s
         self.t0 = self._last_t = time.monotonic()
         self._last_decile = 0
         self.note = ""
@@ -83,7 +86,8 @@ class Progress:
             return
         now = time.monotonic()
         decile = int(10 * self.n / self.total) if self.total else 0
-        if decile > self._last_decile or now - self._last_t >= self.every_s:
+        if (decile > self._last_decile and now - self._last_t >= self.min_gap_s) or \
+                now - self._last_t >= self.every_s:
             self._last_decile, self._last_t = decile, now
             pct = f"{100 * self.n / self.total:.0f}%" if self.total else f"{self.n}"
             note = f" {self.note}" if self.note else ""

@@ -67,30 +67,33 @@ def compare_with_stock(r) -> list[dict]:
                          "kld_p99_9": res.get("kld_p99_9"), "same_top_p": res.get("same_top_p"),
                          "ppl_base": res.get("ppl_base")})
     rows.sort(key=lambda x: x["size_mib"])
-    cols = ["file", "size_mib", "bpw", "ppl", "kld", "kld_p99_9", "same_top_p"]
-    table = format_table(rows, cols)
+    cols = ["file", "name", "size_mib", "bpw", "ppl", "kld", "kld_p99_9", "same_top_p",
+            "ppl_base"]
     base_ppl = next((x["ppl_base"] for x in rows if x.get("ppl_base")), None)
-    print(f"\nllama-perplexity -c {a.ctx} --chunks {a.chunks} on {text.name}; KLD vs "
-          f"{Path(ref).name} (PPL {base_ppl})\n")
-    print(table)
+    header = (f"llama-perplexity -c {a.ctx} --chunks {a.chunks} on {text.name}; KLD vs "
+              f"{Path(ref).name}" + (f" (PPL {base_ppl:.4f})" if base_ppl else ""))
+    print(f"\n{header}\n")
+    print(format_table(rows, cols))
     print("\nwall time\n")
     print(r.timer.report())
-    save_report(rows, out / "eval" / "report.json")
-    write_pictures(r, rows, out / "eval")
+    save_report(rows, out / "eval" / "report.json", cols, title=header)
+    write_pictures(r, rows, out / "eval", text_name=text.name)
     write_json(out / "eval" / "timing.json", r.timer.stages)
     return rows
 
 
-def write_pictures(r, rows, eval_dir) -> list[Path]:
+def write_pictures(r, rows, eval_dir, text_name: str | None = None) -> list[Path]:
     """``<eval_dir>/assignment.png`` (blocks x tensor kinds, coloured by ggml type) and
-    ``<eval_dir>/size_vs_kld.png`` (the run against the stock types), next to report.md.
-    Returns the paths written."""
+    ``<eval_dir>/size_vs_kld.png`` (the run against the stock types; ``text_name``, the text
+    llama-perplexity scored, goes into its title), next to report.md. Returns the paths
+    written."""
     from .evaluate import plot_assignment, plot_size_vs_kld
     name = getattr(r, "stem", None) or "Voodoo"
     paths = [plot_assignment(r.assignment, Path(eval_dir) / "assignment.png",
                              title=f"{name}: ggml type per tensor"),
              plot_size_vs_kld(rows, Path(eval_dir) / "size_vs_kld.png",
                               title=f"{r.ctx.prepared.name}: size vs mean KLD "
-                                    f"(llama-perplexity -c {r.a.ctx}, {r.a.chunks} chunks)")]
+                                    f"(llama-perplexity -c {r.a.ctx}, {r.a.chunks} chunks"
+                                    + (f" of {text_name})" if text_name else ")"))]
     print("pictures: " + ", ".join(str(p) for p in paths))
     return paths
