@@ -6,6 +6,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 t0=$SECONDS
 say() { echo "[install] $* ($((SECONDS - t0)) s)" >&2; }
+# as root (containers, CI), pip's "Running pip as the 'root' user" warning is noise here
+export PIP_ROOT_USER_ACTION=ignore
 # torch first: on these machines pip takes the local CPU wheel for torch==2.13.0; an
 # unpinned torch would pull a multi-GB CUDA build.
 if python3 -c 'import torch' 2>/dev/null; then
