@@ -552,7 +552,10 @@ def choose_rounding(ctx: Context, menus, imatrix, cache: CandidateCache, hessian
             n = s.gguf_name
             kg, kf = keys_g[(n, t)], keys_f[(n, t)]
             if weights is None:
+                log(f"rounding choice: reading the base F32 weights of {len(ctx.specs)} "
+                    "tensors")
                 weights = base_weights(ctx.prepared.base_gguf, names=ctx.tmap.names)
+            prog.update(0, note=f"{n} {t}")
             w = weights[n]
             dg = _dequantized(cache, kg, t, s.n_per_row)
             df = _dequantized(cache, kf, t, s.n_per_row)
