@@ -214,7 +214,8 @@ def test_eval_prints_table_and_writes_report(tiny_run, tmp_path):
     rows = json.loads(rep.with_name("report.json").read_text())
     assert rows[0]["file"] == tiny_run["gguf"].name
     assert rows[0]["ppl"] > 0 and rows[0]["kld"] >= 0 and 0 <= rows[0]["same_top_p"] <= 1
-    assert rep.with_name("report.md").is_file()
+    md = rep.with_name("report.md").read_text().splitlines()
+    assert md[0].startswith("llama-perplexity -c ") and md[0] in stdout and md[2] == header, md
 
 
 @pytest.mark.slow

@@ -1665,6 +1665,7 @@ def _eval(argv):
         _check_eval_split_length(a)
     from .evaluate import format_table, run_perplexity, save_report
     rows = []
+    header = None   # what llama-perplexity measured (with --gguf), report.md's first line
     if a.assignment:
         rows.append(_eval_torch(a))
     if a.gguf:
@@ -1679,8 +1680,9 @@ def _eval(argv):
             raise UsageError(f"--eval_text {text}: no such file")
         if text is None:
             text = _eval_split_text(a)
-        print(f"llama-perplexity -c {a.ctx} --chunks {a.chunks} on {text}; KLD against "
-              f"{prepared.reference_gguf}")
+        header = (f"llama-perplexity -c {a.ctx} --chunks {a.chunks} on {text}; KLD against "
+                  f"{prepared.reference_gguf}")
+        print(header)
         for g in a.gguf:
             res = run_perplexity(g, text, ctx=a.ctx, chunks=a.chunks,
                                  kl_base=prepared.reference_gguf)
@@ -1692,7 +1694,7 @@ def _eval(argv):
         cols.insert(2, "selectable_mib")
     print(format_table(rows, cols))
     if a.report:
-        save_report(rows, a.report)
+        save_report(rows, a.report, cols, title=header)
     return 0
 
 
