@@ -46,7 +46,8 @@ def test_kld_run_reports_chunks_and_parses(tmp_path, monkeypatch, capsys):
     err = capsys.readouterr().err                  # captured: not a terminal
     assert "\r" not in err
     lines = [l for l in err.splitlines() if "llama-perplexity m.gguf" in l]
-    assert lines[-2].startswith("[voodoo] llama-perplexity m.gguf: 100%")
+    # a fast run: its end, not a line per chunk (10%-step lines are at least 10 s apart)
+    assert len(lines) <= 2, lines
     assert lines[-1].startswith("[voodoo] llama-perplexity m.gguf: done in ")
 
 
