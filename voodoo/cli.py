@@ -369,11 +369,28 @@ def _check_inputs_early(a) -> None:
     if getattr(a, "compression_ratio", None) is not None and \
             getattr(a, "target_bits", None) is not None:
         raise UsageError("--compression_ratio and --target_bits both set a budget; give one")
-    for flag, example in (("compression_ratio", "0.45 (45% of the Q8_0 size)"),
-                          ("target_bits", "4.25 (bits per weight)")):
+    for flag, example in (("compression_ratio", "0.55 (55% of the Q8_0 size)"),
+                          ("target_bits", "5 (bits per weight)")):
         v = getattr(a, flag, None)
         if v is not None and not v > 0:
-            raise UsageError(f"--{flag} {v}: must be positive, e.g. --{flag} {example}")
+            raise UsageError(f"--{flag} {v:g}: must be positive, e.g. --{flag} {example}")
+    br = getattr(a, "budget_reduction", None)
+    if br is not None and not 0 <= br < 1:
+        raise UsageError(f"--budget_reduction {br:g}: the safety margin taken off the budget "
+                         "must be in [0, 1), e.g. 0.01 to aim 1% under")
+    bits = getattr(a, "target_bits", None)
+    if bits is not None and bits > 8.5:
+        from . import quants
+        named = [t for f in ("candidate_types", "attention_candidates",
+                             "non_attention_candidates")
+                 for t in (parse_types(getattr(a, f, None)) or [])]
+        # the largest menu type, or F16 where llama.cpp falls back to it (rows not a multiple
+        # of 32): no tensor can hold more bits per weight than that
+        top = max(quants.qtype(t).bpw for t in named + ["Q8_0", "F16"])
+        if bits > top:
+            raise UsageError(f"--target_bits {bits:g}: more bits per weight than any type a "
+                             f"tensor can get here ({top:g}); most models top out at 8.5 "
+                             "(Q8_0): give at most that")
     ratio = getattr(a, "compression_ratio", None)
     if ratio is not None and ratio > 1.0:
         from . import quants
@@ -381,9 +398,9 @@ def _check_inputs_early(a) -> None:
                              "non_attention_candidates")
                  for t in (parse_types(getattr(a, f, None)) or [])]
         if max(quants.qtype(t).bpw for t in named + ["Q8_0"]) <= quants.qtype("Q8_0").bpw:
-            raise UsageError(f"--compression_ratio {ratio}: a budget above the Q8_0 size, and "
-                             "no candidate type is larger than Q8_0; the ratio is a fraction "
-                             "of the Q8_0 size (Voodoo45 = 0.45): give one at most 1.0")
+            raise UsageError(f"--compression_ratio {ratio:g}: a budget above the Q8_0 size, "
+                             "and no candidate type is larger than Q8_0; the ratio is a "
+                             "fraction of the Q8_0 size (Voodoo55 = 0.55): give one at most 1.0")
     im = getattr(a, "imatrix", None)
     if im and not Path(im).is_file():
         raise UsageError(f"--imatrix {im}: no such file (leave --imatrix out to compute one from "
@@ -1645,7 +1662,8 @@ def _eval(argv):
     ap.add_argument("--assignment", default=None,
                     help="<name>.assignment.json: evaluate the baked student in torch")
     ap.add_argument("--teacher_quant", default="BF16", choices=["BF16", "Q8_0", "F32"],
-                    help="with --assignment: the teacher KL is measured against")
+                    help="with --assignment: the teacher (the base weights rounded to this "
+                         "type) that the student's KL is measured against")
     ap.add_argument("--report", default=None, help="write report.json/.md here")
     data_defaults = {k: ap.get_default(k) for k in _DATA_KEYS}
     ap.set_defaults(**{k: None for k in _DATA_KEYS})  # None: not given (see below)

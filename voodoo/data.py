@@ -349,7 +349,9 @@ def read_documents(source: str | os.PathLike) -> tuple[list[str], str]:
             docs = _read_hub(hub)
             desc = f"hf:{hub}"
     if not docs:
-        raise DatasetError(f"source {s!r} holds no documents")
+        raise DatasetError(f"calibration text {s!r} (--data_name) holds no documents (it is "
+                           "empty or all blank): give a file with text, or leave --data_name "
+                           "out for the default enwiki text")
     return docs, desc
 
 
