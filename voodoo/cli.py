@@ -378,12 +378,11 @@ def _check_inputs_early(a) -> None:
     if br is not None and not 0 <= br < 1:
         raise UsageError(f"--budget_reduction {br:g}: the safety margin taken off the budget "
                          "must be in [0, 1), e.g. 0.01 to aim 1% under")
+    from . import quants
+    named = [t for f in ("candidate_types", "attention_candidates", "non_attention_candidates")
+             for t in (parse_types(getattr(a, f, None)) or [])]   # the menu flags' types
     bits = getattr(a, "target_bits", None)
     if bits is not None and bits > 8.5:
-        from . import quants
-        named = [t for f in ("candidate_types", "attention_candidates",
-                             "non_attention_candidates")
-                 for t in (parse_types(getattr(a, f, None)) or [])]
         # the largest menu type, or F16 where llama.cpp falls back to it (rows not a multiple
         # of 32): no tensor can hold more bits per weight than that
         top = max(quants.qtype(t).bpw for t in named + ["Q8_0", "F16"])
@@ -393,10 +392,6 @@ def _check_inputs_early(a) -> None:
                              "(Q8_0): give at most that")
     ratio = getattr(a, "compression_ratio", None)
     if ratio is not None and ratio > 1.0:
-        from . import quants
-        named = [t for f in ("candidate_types", "attention_candidates",
-                             "non_attention_candidates")
-                 for t in (parse_types(getattr(a, f, None)) or [])]
         if max(quants.qtype(t).bpw for t in named + ["Q8_0"]) <= quants.qtype("Q8_0").bpw:
             raise UsageError(f"--compression_ratio {ratio:g}: a budget above the Q8_0 size, "
                              "and no candidate type is larger than Q8_0; the ratio is a "
