@@ -78,12 +78,7 @@ def _parse_keeping_run_data(ap, argv, adopt=lambda a: True):
     ``adopt(a)``, else the parser's defaults: ``voodoo data --n_train_blocks 96`` followed by
     ``voodoo train`` (or a resumed ``voodoo run``) in the same folder reuses those blocks
     instead of rebuilding the data with the defaults. One line names what was taken."""
-    defaults = {k: ap.get_default(k) for k in _DATA_KEYS}
-    for act in ap._actions:  # the help still shows the real default
-        if act.dest in defaults and act.help and "default" not in act.help:
-            act.help += (f" (default: the run folder's data/meta.json when it has one, else "
-                         f"{defaults[act.dest]})")
-    ap.set_defaults(**{k: None for k in _DATA_KEYS})  # None: not given
+    defaults = _run_data_defaults(ap)
     a = ap.parse_args(argv)
     taken = _data_of_run(a) if adopt(a) else {}
     for k, v in defaults.items():
@@ -97,16 +92,35 @@ def _parse_keeping_run_data(ap, argv, adopt=lambda a: True):
     return a
 
 
-def _menu_flags(ap):
-    ap.add_argument("--candidate_types", default=None,
-                    help="types for every tensor, e.g. 'Q8_0,Q6_K,Q4_K,IQ4_XS,IQ2_S'")
-    from .quants import DEFAULT_ATTENTION_MENU, DEFAULT_NON_ATTENTION_MENU
-    ap.add_argument("--attention_candidates", default=None,
-                    help="menu for attention tensors, comma-separated ggml types (default: "
-                         f"{','.join(DEFAULT_ATTENTION_MENU)})")
-    ap.add_argument("--non_attention_candidates", default=None,
-                    help="menu for the other tensors (default: "
-                         f"{','.join(DEFAULT_NON_ATTENTION_MENU)})")
+def _run_data_defaults(ap) -> dict:
+    """The dataset flags' (:data:`_DATA_KEYS`) parser defaults, returned; the parser's own
+    become None (not given) so that a run folder's data/meta.json can fill them, and each
+    flag's help names both."""
+    defaults = {k: ap.get_default(k) for k in _DATA_KEYS}
+    for act in ap._actions:  # the help still shows the real default
+        if act.dest in defaults and act.help and "default" not in act.help:
+            act.help += (f" (default: the run folder's data/meta.json when it has one, else "
+                         f"{defaults[act.dest]})")
+    ap.set_defaults(**{k: None for k in _DATA_KEYS})  # None: not given
+    return defaults
+
+
+def _menu_flags(ap, menus: bool = True):
+    """The candidate flags; ``menus=False`` (export, eval: the types come from the
+    --assignment) leaves the three menu flags out of the parser and its help."""
+    if not menus:
+        ap.set_defaults(candidate_types=None, attention_candidates=None,
+                        non_attention_candidates=None)
+    else:
+        ap.add_argument("--candidate_types", default=None,
+                        help="types for every tensor, e.g. 'Q8_0,Q6_K,Q4_K,IQ4_XS,IQ2_S'")
+        from .quants import DEFAULT_ATTENTION_MENU, DEFAULT_NON_ATTENTION_MENU
+        ap.add_argument("--attention_candidates", default=None,
+                        help="menu for attention tensors, comma-separated ggml types "
+                             f"(default: {','.join(DEFAULT_ATTENTION_MENU)})")
+        ap.add_argument("--non_attention_candidates", default=None,
+                        help="menu for the other tensors (default: "
+                             f"{','.join(DEFAULT_NON_ATTENTION_MENU)})")
     ap.add_argument("--imatrix", default=None,
                     help="llama.cpp imatrix file (GGUF or legacy .dat); default: computed from "
                          "the calibration tokens and saved as <output_dir>/imatrix.gguf")
@@ -620,8 +634,15 @@ def _check_model_early(model_arg: str) -> None:
     (``config.json``) and llama.cpp's pinned converter knows its architecture. Raises ValueError subclasses
     naming the problem (ModelPreparationError / UnsupportedArchitecture)."""
     p = Path(os.path.expanduser(str(model_arg)))
+    if not p.exists():
+        from .models import _looks_like_hub_id
+        if not _looks_like_hub_id(str(model_arg)):
+            from .models import ModelPreparationError
+            raise ModelPreparationError(f"--model {model_arg}: no such file or folder (expected "
+                                        "an HF model folder or a .gguf file)")
+        return  # a hub id: prepare_model looks in the local HF cache
     if not (p.is_dir() and (p / "config.json").is_file()):
-        return  # prepare_model reports missing paths, .gguf files and hub ids itself
+        return  # prepare_model reports .gguf files and non-model folders itself
     from .llamacpp import LlamaCppNotBuilt, source_dir
     from .models import converter_info
     import json as _json
@@ -1604,7 +1625,7 @@ def _export(argv):
     _model_flags(ap, "run folder: its data and imatrix are used, the GGUF is written there "
                      "(default: the --assignment's folder)")
     _data_flags(ap)
-    _menu_flags(ap)
+    _menu_flags(ap, menus=False)
     ap.add_argument("--assignment", required=True, help="<name>.assignment.json from train")
     ap.add_argument("--output_name", default=None,
                     help="file stem (default: the assignment's, <Model>.VoodooNN_<badge>)")
@@ -1651,7 +1672,7 @@ def _eval(argv):
                     "KL(teacher || student) of the baked student on the eval tokens")
     _model_flags(ap, "run folder (default: the --assignment's folder, else runs/<model name>)")
     _data_flags(ap)
-    _menu_flags(ap)
+    _menu_flags(ap, menus=False)
     _eval_flags(ap)
     ap.add_argument("--gguf", nargs="+", default=None, help="GGUF file(s) to evaluate")
     ap.add_argument("--assignment", default=None,
@@ -1660,8 +1681,7 @@ def _eval(argv):
                     help="with --assignment: the teacher (the base weights rounded to this "
                          "type) that the student's KL is measured against")
     ap.add_argument("--report", default=None, help="write report.json/.md here")
-    data_defaults = {k: ap.get_default(k) for k in _DATA_KEYS}
-    ap.set_defaults(**{k: None for k in _DATA_KEYS})  # None: not given (see below)
+    data_defaults = _run_data_defaults(ap)  # None: not given (see below)
     a = ap.parse_args(argv)
     if not a.gguf and not a.assignment:
         raise UsageError("give --gguf FILE(s) (llama-perplexity) and/or --assignment FILE "
