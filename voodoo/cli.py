@@ -1259,10 +1259,19 @@ class Run:
                 # trained on; export and eval write exactly these, never a recomputed choice
                 self.assignment["rounding_feedback"] = {
                     k: sorted(v) for k, v in sorted(self.feedback.items())}
-            write_json(self.out / f"{self.stem}.assignment.json", self.assignment)
+            target = self.out / f"{self.stem}.assignment.json"
+            if target.exists():
+                from .pipeline import log
+                log(f"{target.name} exists; it is replaced (--output_name NAME keeps both)")
+            write_json(target, self.assignment)
+            import io
+
             import torch
-            torch.save({k: v.detach().cpu() for k, v in gates.items()},
-                       self.out / f"{self.stem}.gates.pt")
+
+            from .fsutil import atomic_write_bytes
+            buf = io.BytesIO()
+            torch.save({k: v.detach().cpu() for k, v in gates.items()}, buf)
+            atomic_write_bytes(self.out / f"{self.stem}.gates.pt", buf.getvalue())
         tot, b = self.assignment["total_bytes"], self.assignment["budget_bytes"]
         print(f"baked: {tot} bytes for a budget of {b} ({100 * (tot / b - 1):+.2f}%) -> "
               f"{self.out / (self.stem + '.assignment.json')}")
