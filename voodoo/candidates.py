@@ -175,19 +175,28 @@ _IMATRIX_SIZE_TOLERANT = frozenset(["token_embd.weight"])
 
 def effective_imatrix(imatrix_row: np.ndarray | None, gguf_name: str | None,
                       n_per_row: int) -> np.ndarray | None:
-    """The imatrix row llama-quantize would actually pass to ``ggml_quantize_chunk``.
+    """The imatrix llama-quantize would actually pass to ``ggml_quantize_chunk``.
 
     Rule (``llama_model_quantize_impl`` in llama.cpp ``src/llama-quant.cpp``): an entry is used
-    when its length is ``n_per_row``; a wrong-length entry is ignored for
-    ``token_embd.weight`` and an error otherwise. (Whether a type *needs* one is checked by
-    :func:`cython_ggml.quantize` with ``tensor_name``.)
+    when its size is ``ne[0] * ne[2]`` of the tensor, and then ``ggml_quantize_chunk`` gets
+    vector ``i`` (``n_per_row`` values) for the rows of slice ``i`` along ``ne[2]``
+    (``llama_tensor_quantize_impl``): one vector for a 2-D tensor, one per expert for stacked
+    experts, one per head for MLA's 3-D ``attn_k_b`` / ``attn_v_b`` (llama-imatrix writes
+    those as one flat entry of ``ne[0] * ne[2]`` values). Voodoo sees tensors as ``(n_rows,
+    n_per_row)`` with the slices stacked as rows, so an entry of ``k * n_per_row`` values, flat
+    or ``(k, n_per_row)``, is ``k`` per-slice vectors; the rows must split into ``k`` equal
+    slices (checked when quantizing). A wrong-size entry is ignored for ``token_embd.weight``
+    (always 2-D, so only ``n_per_row`` fits it) and an error otherwise. (Whether a type *needs*
+    one is checked by :func:`cython_ggml.quantize` with ``tensor_name``.)
 
     Returns:
-        float32 (n_per_row,) C-contiguous, or None.
+        float32 (n_per_row,) or (k, n_per_row) (k > 1 per-slice vectors), C-contiguous, or
+        None.
 
     Raises:
         TypeError: the row is not a float32 numpy array.
-        ValueError: wrong length for a tensor other than ``token_embd.weight``.
+        ValueError: a size that is not a multiple of ``n_per_row`` (for a tensor other than
+            ``token_embd.weight``).
     """
     if imatrix_row is None:
         return None
@@ -197,14 +206,20 @@ def effective_imatrix(imatrix_row: np.ndarray | None, gguf_name: str | None,
     row = np.ascontiguousarray(imatrix_row)
     if row.ndim == 2 and row.shape[0] == 1:
         row = row[0]
-    if row.shape[-1] != n_per_row:
-        if gguf_name in _IMATRIX_SIZE_TOLERANT:
-            log.warning("imatrix row for %s has %d entries, the tensor %d per row: ignored "
-                        "(as llama-quantize does)", gguf_name, row.shape[0], n_per_row)
-            return None
-        raise ValueError(f"imatrix row for {gguf_name!r} has {row.shape[-1]} entries but the "
-                         f"tensor has {n_per_row} weights per row (llama-quantize refuses this)")
-    return row
+    if row.size == n_per_row:
+        return row.reshape(n_per_row)
+    if gguf_name in _IMATRIX_SIZE_TOLERANT:
+        log.warning("imatrix row for %s has %d entries, the tensor %d per row: ignored "
+                    "(as llama-quantize does)", gguf_name, row.size, n_per_row)
+        return None
+    if row.ndim <= 2 and n_per_row > 0 and row.size % n_per_row == 0 and \
+            (row.ndim == 1 or row.shape[1] == n_per_row):
+        return row.reshape(row.size // n_per_row, n_per_row)   # one vector per ne[2] slice
+    raise ValueError(f"imatrix entry for {gguf_name!r} has {row.size} entries (shape "
+                     f"{row.shape}), not a multiple of the tensor's {n_per_row} weights per "
+                     f"row: it is not one vector per row or per ne[2] slice of this tensor "
+                     f"(llama-quantize takes only ne[0]*ne[2] values); an imatrix made for "
+                     f"another model or another conversion of it?")
 
 
 #: GPTQ damping (a fraction of mean(diag H) added to diag H), chosen on held-out calibration
@@ -345,7 +360,9 @@ def _quantize_feedback(w: np.ndarray, t, imatrix_row, gguf_name, hessian) -> np.
     im = effective_imatrix(imatrix_row, gguf_name, w.shape[1])
     if im is not None and im.ndim == 2:
         raise ValueError(f"{gguf_name}: error-feedback rounding takes one imatrix vector, not "
-                         "one per expert; quantize stacked experts with llama-quantize's rounding")
+                         f"one per slice ({im.shape[0]}: stacked experts or a 3-D tensor such "
+                         "as MLA's attn_k_b); quantize it with llama-quantize's rounding "
+                         "(plan_precache does)")
     h = np.asarray(hessian, dtype=np.float32)
     if h.shape != (w.shape[1], w.shape[1]):
         raise ValueError(f"{gguf_name}: Hessian of shape {h.shape} for rows of {w.shape[1]}")
@@ -376,11 +393,13 @@ def _quantize(w: np.ndarray, t, imatrix_row, gguf_name, n_threads) -> np.ndarray
 
     im = effective_imatrix(imatrix_row, gguf_name, w.shape[1])
     if im is not None and im.ndim == 2:
-        # stacked experts: llama-quantize quantizes expert e's rows with imatrix vector e
-        # (``llama_tensor_quantize_impl``'s loop over ne[2], src/llama-quant.cpp)
+        # a 3-D tensor (stacked experts, MLA's per-head attn_k_b/attn_v_b): llama-quantize
+        # quantizes the rows of ne[2] slice e with imatrix vector e
+        # (``llama_tensor_quantize_impl``'s imatrix_for_row, src/llama-quant.cpp)
         n_exp = im.shape[0]
         if w.shape[0] % n_exp:
-            raise ValueError(f"{gguf_name}: {w.shape[0]} rows do not split into {n_exp} experts")
+            raise ValueError(f"{gguf_name}: {w.shape[0]} rows do not split into the "
+                             f"{n_exp} slices its imatrix entry has vectors for")
         per = w.shape[0] // n_exp
         return np.concatenate([cython_ggml.quantize(
             np.ascontiguousarray(w[e * per:(e + 1) * per]), t.name,
@@ -665,7 +684,9 @@ def plan_precache(jobs: Iterable, cache: CandidateCache, verify: bool = True
         im = effective_imatrix(j.imatrix_row, j.gguf_name, w.shape[1])
         if j.hessian is not None and id(j.hessian) not in htag:
             htag[id(j.hessian)] = (j.hessian, hessian_sha(j.hessian))
-        rnd = "ggml" if j.hessian is None \
+        # per-slice imatrix vectors (stacked experts, MLA's 3-D attn_k_b/attn_v_b): error
+        # feedback takes one vector, so such a tensor keeps llama-quantize's rounding
+        rnd = "ggml" if j.hessian is None or (im is not None and im.ndim == 2) \
             else rounding_tag(j.hessian, t, _sha=htag[id(j.hessian)][1])
         key = candidate_key(w, t, im, _weights_sha=wsha[id(j.weights)][1], rounding=rnd)
         key.row_size  # raises ValueError now for a type the row length does not fit

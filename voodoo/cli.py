@@ -1037,7 +1037,9 @@ class Run:
         im = getattr(self, "imatrix_path", None)
         if im is not None:
             inputs["imatrix"] = file_sha256(im) if Path(im).is_file() else "none"
-        if getattr(self, "menus", None) is not None:
+        if getattr(self, "menus", None) is not None and hasattr(self, "im"):
+            # the menus are final only once the imatrix is known (imatrix_safe drops types a
+            # tensor without an imatrix row cannot have: an untied token_embd's IQ1_S, ...)
             inputs["menus"] = hashlib.sha256(json.dumps(
                 {k: list(v) for k, v in sorted(self.menus.items())}).encode()).hexdigest()
         if (getattr(self.a, "rounding", None) or "ggml") != "ggml":
