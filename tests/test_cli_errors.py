@@ -604,3 +604,44 @@ def test_voodoo_warnings_are_one_log_line():
     assert "[voodoo] warning: bake: 10 bytes is 1.00% under the budget\n" in p.stderr
     assert "lib.py:7: UserWarning: something else" in p.stderr
     assert "bake.py:1" not in p.stderr
+
+
+def _calibration_text(path: Path) -> Path:
+    words = "the quick brown fox jumps over a lazy dog while seven wizards quietly hum".split()
+    rng = np.random.default_rng(0)
+    path.write_text("\n\n\n".join(" ".join(rng.choice(words, 120)) for _ in range(40)))
+    return path
+
+
+def test_data_keeps_the_run_folders_corpus(tiny_fixed, tmp_path):  # noqa: F811
+    """``voodoo data --seq_len 32`` on a run folder built from a text file rebuilds the blocks
+    from that file (the flags not given are the folder's), not from the default corpus."""
+    out = tmp_path / "run"
+    txt = _calibration_text(tmp_path / "calib.txt")
+    rc, _, err = run_cli(["data", "--model", str(tiny_fixed), "--output_dir", str(out),
+                          "--data_name", str(txt), "--seq_len", "64", "--n_train_blocks", "4",
+                          "--n_eval_blocks", "2"])
+    assert rc == 0, err[-2000:]
+    rc, _, err = run_cli(["data", "--model", str(tiny_fixed), "--output_dir", str(out),
+                          "--seq_len", "32"])
+    assert rc == 0, err[-2000:]
+    meta = json.loads((out / "data" / "meta.json").read_text())
+    assert meta["seq_len"] == 32 and meta["n_train_blocks"] == 4, meta
+    assert meta["source_arg"] == str(txt), meta
+    assert "taken from the run's data/meta.json" in err
+
+
+def test_corrupt_data_meta_is_not_replaced_by_the_defaults(tiny_fixed, tmp_path):  # noqa: F811
+    """A run folder whose data/meta.json is unreadable: a command without --data_name stops
+    (rebuilding from the defaults would silently change the corpus) and names the way out."""
+    out = tmp_path / "run"
+    txt = _calibration_text(tmp_path / "calib.txt")
+    rc, _, err = run_cli(["data", "--model", str(tiny_fixed), "--output_dir", str(out),
+                          "--data_name", str(txt), "--seq_len", "64", "--n_train_blocks", "4",
+                          "--n_eval_blocks", "2"])
+    assert rc == 0, err[-2000:]
+    (out / "data" / "meta.json").write_text("{not json")
+    rc, _, err = run_cli(["train", "--model", str(tiny_fixed), "--output_dir", str(out),
+                          "--no_ray", "--max_steps", "2"])
+    line = error_line(rc, err)
+    assert "meta.json is corrupt" in line and "--data_name" in line and "delete" in line, line

@@ -163,3 +163,25 @@ def test_enwiki_articles_and_split(smol_tokenizer, tmp_path):
     assert tuple(tr.shape) == (4, 128) and tuple(ev.shape) == (2, 128)
     text = smol_tokenizer.decode(tr[0].tolist())
     assert "{{" not in text and "[[" not in text
+
+
+def test_bom_and_folder_sources(tmp_path):
+    """A UTF-8 byte-order mark is not text (no U+FEFF token at the corpus' start); a folder
+    given as --data_name is named as a folder, not as a missing file or a hub dataset."""
+    from voodoo.data import DatasetError, check_source, read_documents
+    f = tmp_path / "bom.txt"
+    f.write_bytes("\ufeffHello there.\n\n\nSecond document.".encode("utf-8"))
+    docs, _ = read_documents(str(f))
+    assert docs == ["Hello there.", "Second document."], docs
+    j = tmp_path / "bom.jsonl"
+    j.write_bytes('\ufeff{"text": "one"}\n{"text": "two"}\n'.encode("utf-8"))
+    assert read_documents(str(j))[0] == ["one", "two"]
+    for arg in (str(tmp_path), tmp_path.name):
+        import os
+        cwd = os.getcwd()
+        os.chdir(tmp_path.parent)
+        try:
+            with pytest.raises(DatasetError, match="is a folder"):
+                check_source(arg)
+        finally:
+            os.chdir(cwd)

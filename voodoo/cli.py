@@ -1348,7 +1348,7 @@ def _data(argv):
         description="tokenize a corpus into train/eval blocks of --seq_len")
     _model_flags(ap)
     _data_flags(ap)
-    a = ap.parse_args(argv)
+    a = _parse_keeping_run_data(ap, argv)  # a run folder's corpus is kept unless named
     from transformers import AutoTokenizer
 
     from .data import build_dataset
@@ -1568,8 +1568,18 @@ def _data_of_run(a) -> dict:
         d = Path("runs") / model_name_from_path(model) / "data"
     try:
         meta = json.loads((d / "meta.json").read_text())
-    except (OSError, ValueError):
+    except OSError:
         return {}
+    except ValueError as e:
+        if getattr(a, "data_name", 0) is None:  # the defaults could silently change the corpus
+            raise UsageError(
+                f"{d / 'meta.json'} is corrupt ({e}), so this run's calibration settings are "
+                f"unknown; give --data_name (and --seq_len, --n_train_blocks, --n_eval_blocks "
+                f"if not the defaults) to rebuild the dataset, or delete {d} to rebuild it "
+                f"from the defaults") from None
+        return {}
+    if not isinstance(meta, dict):
+        meta = {}
     taken = {}
     for flag, key in _DATA_KEYS.items():
         if getattr(a, flag, 0) is None and meta.get(key) is not None:

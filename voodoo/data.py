@@ -250,7 +250,7 @@ def _not_utf8(path: Path, e: UnicodeDecodeError) -> DatasetError:
 
 def _read_txt(path: Path) -> list[str]:
     try:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8-sig")
     except UnicodeDecodeError as e:
         raise _not_utf8(path, e) from None
     docs = [d.strip() for d in re.split(r"\n[ \t]*\n[ \t]*\n+", text)]
@@ -259,7 +259,7 @@ def _read_txt(path: Path) -> list[str]:
 
 def _read_jsonl(path: Path) -> list[str]:
     try:
-        lines = path.read_text(encoding="utf-8").split("\n")
+        lines = path.read_text(encoding="utf-8-sig").split("\n")
     except UnicodeDecodeError as e:
         raise _not_utf8(path, e) from None
     docs = []
@@ -312,6 +312,9 @@ def check_source(source: str | os.PathLike) -> None:
     if s == DEFAULT_SOURCE or s.startswith("hf:"):
         return
     p = Path(s).expanduser()
+    if p.is_dir():
+        raise DatasetError(f"--data_name {p} is a folder; give one .txt, .jsonl or .parquet "
+                           "file (concatenate the folder's texts into one)")
     if p.is_file():
         if p.suffix.lower() not in (".txt", ".jsonl", ".parquet"):
             raise DatasetError(f"{p}: unsupported file type {p.suffix.lower()!r} "
