@@ -645,3 +645,49 @@ def test_corrupt_data_meta_is_not_replaced_by_the_defaults(tiny_fixed, tmp_path)
                           "--no_ray", "--max_steps", "2"])
     line = error_line(rc, err)
     assert "meta.json is corrupt" in line and "--data_name" in line and "delete" in line, line
+
+
+def test_too_few_tokens_for_the_preflight(tiny_fixed, tmp_path):  # noqa: F811
+    """One 64-token block is too little for the pre-flight's KLD: the error names the flags
+    that fix it, and --skip_preflight does skip it."""
+    out = tmp_path / "run"
+    argv = ["train", "--model", str(tiny_fixed), "--output_dir", str(out), "--seq_len", "64",
+            "--n_train_blocks", "1", "--n_eval_blocks", "1", "--imatrix_blocks", "1",
+            "--no_ray", "--max_steps", "1", "--compression_ratio", "0.6"]
+    rc, _, err = run_cli(argv)
+    line = error_line(rc, err)
+    assert "pre-flight" in line and "--n_train_blocks" in line and "--skip_preflight" in line
+    rc, _, err = run_cli(argv + ["--skip_preflight"])
+    assert rc == 0, err[-2000:]
+    assert "pre-flight check skipped (--skip_preflight)" in err
+
+
+def test_hand_edited_assignment_is_named():
+    """An assignment with a tensor removed or one the model lacks: a UsageError naming it
+    (export and eval used to end in a KeyError traceback)."""
+    from types import SimpleNamespace
+
+    from voodoo.cli import UsageError, _check_assignment_tensors
+    specs = [SimpleNamespace(gguf_name=f"blk.{i}.attn_v.weight") for i in range(3)]
+    full = {"tensors": {s.gguf_name: {"type": "Q8_0"} for s in specs}}
+    _check_assignment_tensors("a.json", full, specs)
+    less = {"tensors": dict(list(full["tensors"].items())[1:])}
+    with pytest.raises(UsageError, match=r"does not cover: blk\.0\.attn_v\.weight"):
+        _check_assignment_tensors("a.json", less, specs)
+    more = {"tensors": {**full["tensors"], "blk.9.attn_q.weight": {"type": "Q8_0"}}}
+    with pytest.raises(UsageError, match=r"does not have: blk\.9\.attn_q\.weight"):
+        _check_assignment_tensors("a.json", more, specs)
+
+
+def test_seq_len_beyond_the_models_context(tiny_fixed, tmp_path):  # noqa: F811
+    """--seq_len longer than max_position_embeddings is refused, naming both numbers (for a
+    learned position table llama-imatrix used to crash with a backtrace)."""
+    import json as _json
+    n = _json.loads((tiny_fixed / "config.json").read_text())["max_position_embeddings"]
+    out = tmp_path / "run"
+    for cmd in ("data", "train"):
+        rc, _, err = run_cli([cmd, "--model", str(tiny_fixed), "--output_dir", str(out),
+                              "--seq_len", str(2 * n)] + (["--no_ray"] if cmd == "train" else []))
+        line = error_line(rc, err, cmd)
+        assert f"--seq_len {2 * n}" in line and f"max_position_embeddings = {n}" in line, line
+        nothing_written(out)

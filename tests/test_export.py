@@ -241,3 +241,21 @@ def test_quantize_with_llama_reports_failure(tiny_prepared, tmp_path):
     with pytest.raises(ExportError, match="imatrix"):
         quantize_with_llama(tiny_prepared.base_gguf, tmp_path / "o.gguf", tt, None, "Q8_0")
     assert not (tmp_path / "o.gguf").exists()
+
+
+def test_export_removes_a_killed_exports_partial_file(tiny_prepared, tmp_path):
+    """A ``.partial`` temp file left by an export killed with SIGKILL (its pid is gone) is
+    removed by the next export of that file; one of a live process is left alone."""
+    import os
+    import subprocess
+    import sys
+    base = tiny_prepared.base_gguf
+    out = tmp_path / "o.gguf"
+    p = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                       capture_output=True, text=True, check=True)
+    dead = tmp_path / f".o.gguf.{int(p.stdout)}.abc123.partial"   # that process has exited
+    live = tmp_path / f".o.gguf.{os.getpid()}.def456.partial"
+    dead.write_bytes(b"x" * 100)
+    live.write_bytes(b"y")
+    export_gguf(base, {"blk.0.ffn_down.weight": "Q4_0"}, _lookup_from(base, {}), out)
+    assert sorted(f.name for f in tmp_path.iterdir()) == sorted([out.name, live.name])

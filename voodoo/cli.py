@@ -105,6 +105,23 @@ def _run_data_defaults(ap) -> dict:
     return defaults
 
 
+def _check_seq_len(a, config) -> None:
+    """``--seq_len`` within the model's context (``max_position_embeddings`` or its older
+    spellings, of the text config): longer blocks run positions the model never saw (and
+    crash llama-imatrix for learned position embeddings). Raises UsageError."""
+    seq_len = getattr(a, "seq_len", None)
+    if seq_len is None or config is None:
+        return
+    cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "n_ctx"):
+        n = getattr(cfg, key, None)
+        if isinstance(n, int) and n > 0:
+            if seq_len > n:
+                raise UsageError(f"--seq_len {seq_len} is longer than the model's context "
+                                 f"({key} = {n}); give --seq_len {min(n, 512)} or less")
+            return
+
+
 def _menu_flags(ap, menus: bool = True):
     """The candidate flags; ``menus=False`` (export, eval: the types come from the
     --assignment) leaves the three menu flags out of the parser and its help."""
@@ -651,7 +668,13 @@ def _check_model_early(model_arg: str) -> None:
     except LlamaCppNotBuilt:
         return
     # the converter must know the architecture (raises ModelPreparationError naming it)
-    converter_info(_json.loads((p / "config.json").read_text()))
+    try:
+        cfg = _json.loads((p / "config.json").read_text())
+    except ValueError as e:
+        from .models import ModelPreparationError
+        raise ModelPreparationError(f"{p / 'config.json'} is not valid JSON ({e}); fix it or "
+                                    "copy the model folder again") from None
+    converter_info(cfg)
 
 
 def _check_upgrade_patterns(rules, names) -> None:
@@ -750,6 +773,7 @@ class Run:
                 from .pipeline import load_base_checkpoint
                 load_base_checkpoint(self.ctx, base)
         self.out = _out_dir(self.a, self.ctx)
+        _check_seq_len(self.a, getattr(self.ctx.model, "config", None))
         return self.ctx
 
     def menus_and_budget(self):
@@ -811,9 +835,10 @@ class Run:
             except ValueError:
                 pass
         n_ctx = min(DEFAULT_PREFLIGHT_CTX, int(self.train_blocks.shape[1]))
-        tokens = chunk_tokens(self.train_blocks.reshape(-1), n_ctx, DEFAULT_PREFLIGHT_CHUNKS)
         with self.timer("pre-flight (llama.cpp vs transformers)"):
             try:
+                tokens = chunk_tokens(self.train_blocks.reshape(-1), n_ctx,
+                                      DEFAULT_PREFLIGHT_CHUNKS)
                 res = preflight(self.ctx.model, base, tokens)
                 ok = True
             except AgreementError as e:
@@ -821,6 +846,16 @@ class Run:
                     raise
                 log(f"{e}\n--skip_preflight: going on anyway")
                 res, ok = getattr(e, "result", {}) or {}, False
+            except ValueError as e:  # too few calibration tokens to score
+                if not any(m in str(e) for m in ("hold no chunk", "score only")):
+                    raise
+                if self.a.skip_preflight:
+                    log(f"pre-flight check skipped (--skip_preflight): {e}")
+                    return None
+                raise UsageError(
+                    f"the pre-flight check (llama.cpp vs transformers) cannot run on "
+                    f"{self.train_blocks.numel()} calibration tokens: {e}; give more tokens "
+                    f"(--n_train_blocks x --seq_len) or --skip_preflight") from None
         rec = {"base_sha256": key, "ok": ok, "kld_mean": res.get("kld_mean"),
                "same_top_p": res.get("same_top_p"), "n_tokens": res.get("n_tokens")}
         log(f"pre-flight: llama.cpp on {base.name} vs transformers: KLD {rec['kld_mean']} "
@@ -1355,6 +1390,12 @@ def _data(argv):
     from .models import prepare_model
     prepared = prepare_model(_model_arg(a))
     tok = AutoTokenizer.from_pretrained(prepared.hf_dir)
+    from transformers import AutoConfig
+    try:
+        _check_seq_len(a, AutoConfig.from_pretrained(prepared.hf_dir))
+    except (OSError, ValueError) as e:
+        if isinstance(e, UsageError):
+            raise
     out = Path(a.data_dir or (Path(a.output_dir or "runs/" + prepared.name) / "data"))
     meta = build_dataset(tok, a.data_name, out, a.seq_len, a.n_train_blocks, a.n_eval_blocks,
                          a.seed)
@@ -1547,6 +1588,21 @@ def _read_assignment(path) -> dict:
     return asg
 
 
+def _check_assignment_tensors(path, asg: dict, specs) -> None:
+    """The assignment names exactly the model's selectable tensors (``specs``: the
+    MapEntry list): UsageError naming the first stray or missing one (a hand-edited file, or
+    one made for another model)."""
+    have = {s.gguf_name for s in specs}
+    stray = sorted(set(asg["tensors"]) - have)
+    missing = sorted(have - set(asg["tensors"]))
+    for names, what in ((stray, "names a tensor this model's GGUF does not have"),
+                        (missing, "does not cover")):
+        if names:
+            more = f" (and {len(names) - 1} more)" if len(names) > 1 else ""
+            raise UsageError(f"--assignment {path} {what}: {names[0]}{more}; was it made for "
+                             "another model, or edited by hand? Train one for this model")
+
+
 #: the dataset flags (:func:`_data_flags`) a run's ``data/meta.json`` records
 _DATA_KEYS = {"data_name": "source_arg", "seq_len": "seq_len",
               "n_train_blocks": "n_train_blocks", "n_eval_blocks": "n_eval_blocks",
@@ -1662,6 +1718,7 @@ def _export(argv):
         raise ProvenanceError(f"{a.assignment} was made for {_short(made_from)}, not for "
                               f"{_short(r.model_id())}; pass --model with the model it was "
                               "made for, or train one for this model")
+    _check_assignment_tensors(a.assignment, asg, r.ctx.specs)
     _use_assignment_rounding(a, asg, r)
     _use_assignment_imatrix(a, asg, r)
     if a.imatrix is None and (not (r.out / "imatrix.gguf").is_file() or r.stale_imatrix()):
@@ -1792,11 +1849,8 @@ def _eval_torch(a) -> dict:
     _use_assignment_imatrix(a, asg, r)
     r.imatrix()
     _check_assignment_imatrix(a, asg, r)
-    menus = {n: list(v["menu"]) for n, v in asg["tensors"].items()}
-    missing = sorted(set(s.gguf_name for s in r.ctx.specs) - set(menus))
-    if missing:
-        raise UsageError(f"the assignment does not cover {missing[0]} (and "
-                         f"{len(missing) - 1} more): was it made for another model?")
+    _check_assignment_tensors(a.assignment, asg, r.ctx.specs)
+    menus = {n: list(v.get("menu") or [v["type"]]) for n, v in asg["tensors"].items()}
     r.cache = _cache(a)
     keys = ensure_candidates(r.ctx, menus, r.im, r.cache, _precache_fn(a),
                              hessians=getattr(r, "hessians", None),

@@ -12,7 +12,9 @@ same tensor bytes (tests check it tensor by tensor).
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import re
 import subprocess
@@ -134,6 +136,27 @@ def dominant_file_type(weights: Mapping[str, int]) -> int:
 
 
 # ------------------------------------------------------------------------------ export
+def _remove_dead_partials(out_path: Path) -> None:
+    """Removes ``.<name>.<pid>.*.partial`` files left beside ``out_path`` by an export whose
+    process is gone (killed with SIGKILL, or the machine went down); a live process's file is
+    left alone."""
+    for f in out_path.parent.glob(f".{out_path.name}.*.partial"):
+        pid = f.name[len(out_path.name) + 2:].split(".", 1)[0]
+        if not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+            continue  # alive (or not ours to signal): still writing
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue
+        with contextlib.suppress(OSError):
+            f.unlink()
+            logging.getLogger("voodoo.export").info("removed %s, left by an interrupted export",
+                                                    f.name)
+
+
 def export_gguf(base_gguf: str | os.PathLike, assignment,
                 cache_lookup: Callable[[str, str], np.ndarray],
                 out_path: str | os.PathLike, *, file_type: int | None = None,
@@ -201,7 +224,8 @@ def export_gguf(base_gguf: str | os.PathLike, assignment,
                 weights_per_type[name] = weights_per_type.get(name, 0) + n_rows * n_per_row
 
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{out_path.name}.", suffix=".partial",
+    _remove_dead_partials(out_path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{out_path.name}.{os.getpid()}.", suffix=".partial",
                                dir=out_path.parent)
     os.close(fd)
     writer = GGUFWriter(tmp, arch)

@@ -290,7 +290,9 @@ def _read_gguf(path: Path) -> dict:
     try:
         r = read_gguf(path)
     except Exception as e:
-        raise ImatrixError(f"{path}: not a readable GGUF ({type(e).__name__}: {e})") from None
+        raise ImatrixError(f"{path}: not a readable GGUF ({type(e).__name__}: {e}); if Voodoo "
+                           "wrote it (a run folder's imatrix.gguf), delete it and it is "
+                           "computed again, else pass a good --imatrix file") from None
     sums, counts = {}, {}
     for t in r.tensors:
         if t.tensor_type != gguf.GGMLQuantizationType.F32:
