@@ -23,21 +23,24 @@ def _smol_gguf() -> Path:
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _drop_temporary_model_cache_entries():
+def _drop_temporary_model_cache_entries(tmp_path_factory):
     """Prepared-model entries (``<cache>/models/<key>``, an F32 GGUF each) made this session
-    from models in temporary folders are removed at the end: no later run can hit them (the
-    folders are gone), and a full run makes ~50 of them (several GB)."""
-    import tempfile
-
+    from models in this session's own temporary folders (pytest's base temp folder, the zoo's
+    per-process folder) are removed at the end: no later run can hit them (the folders are
+    gone), and a full run makes ~50 of them (several GB). Entries of other processes (a user's
+    run on a model in /tmp while the suite runs) are left alone."""
     from voodoo.llamacpp import cache_root
     from voodoo.models import model_cache_source
     root = cache_root() / "models"
     before = set(root.iterdir()) if root.is_dir() else set()
     yield
-    tmp = str(Path(tempfile.gettempdir()).resolve())
+    import zoo
+    roots = [str(tmp_path_factory.getbasetemp().resolve())]
+    if not os.environ.get("VOODOO_ZOO_DIR") and getattr(zoo, "_TMP", None) is not None:
+        roots.append(str(Path(zoo._TMP).resolve()))
     for e in (set(root.iterdir()) if root.is_dir() else set()) - before:
         src = model_cache_source(e)
-        if src and (src.startswith(tmp + os.sep) or not Path(src).exists()):
+        if src and any(src == r or src.startswith(r + os.sep) for r in roots):
             shutil.rmtree(e, ignore_errors=True)
 
 
