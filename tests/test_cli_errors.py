@@ -691,3 +691,23 @@ def test_seq_len_beyond_the_models_context(tiny_fixed, tmp_path):  # noqa: F811
         line = error_line(rc, err, cmd)
         assert f"--seq_len {2 * n}" in line and f"max_position_embeddings = {n}" in line, line
         nothing_written(out)
+
+
+def test_changed_run_imatrix_is_recomputed(tiny_fixed, tmp_path):  # noqa: F811
+    """A run folder's imatrix.gguf whose bytes changed since Voodoo wrote it (same size, some
+    bytes flipped) is computed again, said in one line, not used."""
+    out = tmp_path / "run"
+    argv = ["precache", "--model", str(tiny_fixed), "--output_dir", str(out), "--seq_len", "64",
+            "--n_train_blocks", "8", "--n_eval_blocks", "2", "--imatrix_blocks", "4",
+            "--no_ray", "--cache_dir", str(tmp_path / "cache"), "--candidate_types", "Q8_0"]
+    rc, _, err = run_cli(argv)
+    assert rc == 0, err[-2000:]
+    im = out / "imatrix.gguf"
+    good = im.read_bytes()
+    bad = bytearray(good)
+    bad[-200:-100] = bytes(100)
+    im.write_bytes(bytes(bad))
+    rc, _, err = run_cli(argv)
+    assert rc == 0, err[-2000:]
+    assert "bytes changed since Voodoo wrote it" in err, err[-2000:]
+    assert im.read_bytes() == good

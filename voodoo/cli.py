@@ -877,21 +877,29 @@ class Run:
         """What a computed ``<output_dir>/imatrix.gguf`` is made from: the model and the sha256
         of the calibration tokens (absent when the tokens are not loaded)."""
         from .provenance import tokens_sha256
+        from .provenance import file_sha256
         inputs = {"model": self.model_id(), "imatrix_blocks": int(self.a.imatrix_blocks)}
         blocks = getattr(self, "train_blocks", None)
         if blocks is not None:
             inputs["tokens"] = tokens_sha256(blocks[: self.a.imatrix_blocks])
+        f = self.out / "imatrix.gguf"
+        if f.is_file():  # the bytes Voodoo wrote: a file changed since (corrupt) is not used
+            inputs["sha256"] = file_sha256(f)
         return inputs
 
     def stale_imatrix(self) -> str | None:
         """Why ``<output_dir>/imatrix.gguf`` may not be used for this run (made from another
         model or other calibration tokens, or of unknown origin), or None (usable, or absent).
         Tokens are compared only when loaded."""
-        from .provenance import check, describe
+        from .provenance import check, describe, recorded
         inputs = self.imatrix_inputs()
         diff = check(self.out, "imatrix.gguf", inputs)
         if diff and "tokens" not in inputs:
             diff = [k for k in diff if k != "tokens"]
+        if diff and "sha256" not in (recorded(self.out, "imatrix.gguf") or {"sha256": 0}):
+            diff = [k for k in diff if k != "sha256"]  # recorded by a Voodoo before the hash
+        if diff == ["sha256"]:
+            return "its bytes changed since Voodoo wrote it: corrupt or replaced"
         return describe(self.out, "imatrix.gguf", inputs, diff) if diff else None
 
     def imatrix(self):
