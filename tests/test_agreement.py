@@ -174,3 +174,38 @@ def test_too_few_positions_is_refused(tiny_prepared):
     with pytest.raises(ValueError, match="100"):
         llama_vs_torch(tiny_prepared.base_gguf, torch.zeros(1, 128, 49152),
                        torch.ones(1, 128, dtype=torch.long))
+
+
+def test_a_gguf_llama_cpp_cannot_load_is_a_clear_error(tiny_prepared, tiny_hf, tiny_tokens,
+                                                        tmp_path):
+    """When llama.cpp's loader refuses the F32 GGUF its converter wrote (here: the file says
+    feed_forward_length 544 for ffn tensors of 512, as for a config its loader reads
+    differently), the pre-flight says so in one line, quoting llama.cpp's reason, and that no
+    Voodoo flag (not even --skip_preflight) helps: not an AgreementError, nor a raw
+    llama-perplexity failure."""
+    _tools()
+    import shutil
+
+    from voodoo.agreement import LlamaCppLoadError
+    from voodoo.evaluate import PerplexityError
+    bad = tmp_path / "base-f32.gguf"
+    shutil.copy(tiny_prepared.base_gguf, bad)
+    with open(bad, "r+b") as f:
+        head = f.read(1 << 20)
+        key = b"llama.feed_forward_length"
+        i = head.index(key) + len(key)
+        assert struct.unpack_from("<II", head, i) == (4, 512)      # GGUF uint32, 512
+        f.seek(i + 4)
+        f.write(struct.pack("<I", 544))
+    with pytest.raises(LlamaCppLoadError) as ei:
+        preflight(tiny_hf, bad, tiny_tokens, threads=1)
+    e = ei.value
+    assert isinstance(e, PerplexityError) and not isinstance(e, AgreementError)
+    msg = str(e)
+    assert "\n" not in msg
+    assert "check_tensor_dims" in e.reason and "wrong shape" in e.reason and e.reason in msg
+    assert "cannot load base-f32.gguf" in msg and "its own converter" in msg
+    assert "--skip_preflight" in msg and "llama.cpp" in msg
+    # llama_vs_torch (used on exported files too) raises the same type with the reason
+    with pytest.raises(LlamaCppLoadError, match="cannot load base-f32.gguf: check_tensor_dims"):
+        llama_vs_torch(bad, tiny_hf, tiny_tokens, threads=1)

@@ -185,3 +185,117 @@ def test_precache_summary_says_which_bytes():
     g.hits = f.hits = 2
     assert g.summary().startswith("2 candidates: 2 cached, 0 quantized in ")
     assert f.summary().startswith("2 candidates (1 with error-feedback bytes): 2 cached")
+
+
+# ------------------------------------------------- 3-D tensors: one imatrix vector per slice
+def _tiny_gguf_with_3d(path, w3, n_embd=64, n_vocab=32):
+    """A one-layer llama GGUF with random F32 weights plus MLA's 3-D ``blk.0.attn_k_b.weight``
+    (numpy (n_head, ne1, ne0) = GGUF ne [ne0, ne1, n_head]): enough for llama-quantize."""
+    import gguf
+    rng = np.random.default_rng(3)
+    w = gguf.GGUFWriter(str(path), arch="llama")
+    for add, v in ((w.add_block_count, 1), (w.add_context_length, 64),
+                   (w.add_embedding_length, n_embd), (w.add_feed_forward_length, 128),
+                   (w.add_head_count, 2), (w.add_head_count_kv, 2),
+                   (w.add_layer_norm_rms_eps, 1e-5), (w.add_file_type, 0),
+                   (w.add_vocab_size, n_vocab), (w.add_rope_dimension_count, n_embd // 2)):
+        add(v)
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list([f"t{i}" for i in range(n_vocab)])
+    w.add_token_types([1] * n_vocab)
+    w.add_token_merges(["t 1"])
+    f = lambda *s: (rng.standard_normal(s) * 0.05).astype(np.float32)  # noqa: E731
+    w.add_tensor("token_embd.weight", f(n_vocab, n_embd))
+    w.add_tensor("output_norm.weight", np.ones(n_embd, np.float32))
+    w.add_tensor("blk.0.attn_norm.weight", np.ones(n_embd, np.float32))
+    w.add_tensor("blk.0.attn_k_b.weight", w3)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("type_name", ["Q4_0", "IQ4_NL"])
+def test_3d_tensor_per_slice_imatrix_matches_llama_quantize(tmp_path, type_name):
+    """MLA's attn_k_b / attn_v_b (DeepSeek-V2/V3, Kimi) are 3-D (ne0, ne1, n_head);
+    llama-imatrix writes one flat entry of ne0*n_head values for them and llama-quantize uses
+    values [i*ne0, (i+1)*ne0) for head i. Voodoo's candidate (the heads' rows stacked) is
+    byte-identical to llama-quantize's tensor, and differs from using one vector for all."""
+    import subprocess
+
+    from voodoo.ggufio import read_gguf
+    from voodoo.imatrix import read_imatrix, write_imatrix_gguf
+    from voodoo.llamacpp import LlamaCppNotBuilt, tool_path
+    try:
+        exe = str(tool_path("llama-quantize"))
+    except LlamaCppNotBuilt as e:
+        pytest.skip(f"llama-quantize not built: {e}")
+    name, (n_head, ne1, ne0) = "blk.0.attn_k_b.weight", (4, 64, 32)
+    rng = np.random.default_rng(7)
+    w3 = rng.standard_normal((n_head, ne1, ne0)).astype(np.float32)
+    base = _tiny_gguf_with_3d(tmp_path / "base.gguf", w3)
+    # very different importances per head, flat as llama-imatrix writes them (counts [1])
+    sums = (rng.random(n_head * ne0) ** 6 * 1e3 + 1e-3).astype(np.float32)
+    imf = write_imatrix_gguf(tmp_path / "im.gguf", {name: sums}, {name: 1}, ["unit-test"], 1, 64)
+    row = read_imatrix(imf)[name]
+    assert row.shape == (n_head * ne0,)
+    ttf = tmp_path / "types.txt"
+    ttf.write_text(f"{name}={type_name.lower()}\n")
+    out = tmp_path / "q.gguf"
+    r = subprocess.run([exe, "--imatrix", str(imf), "--tensor-type-file", str(ttf), str(base),
+                        str(out), "Q8_0", "1"], stdout=subprocess.PIPE,
+                       stderr=subprocess.STDOUT, text=True, errors="replace")
+    assert r.returncode == 0, r.stdout[-3000:]
+    t = {x.name: x for x in read_gguf(str(out)).tensors}[name]
+    assert t.tensor_type.name == type_name
+    theirs = np.asarray(t.data).view(np.uint8).reshape(-1)
+
+    w2 = np.ascontiguousarray(w3.reshape(n_head * ne1, ne0))   # GGUF layout, heads stacked
+    im = C.effective_imatrix(row, name, ne0)
+    assert im.shape == (n_head, ne0)
+    mine = C.quantize_candidate(w2, type_name, row, name, n_threads=1)
+    np.testing.assert_array_equal(mine.reshape(-1), theirs)
+    one = cython_ggml.quantize(w2, type_name, imatrix=np.ascontiguousarray(im[0]), n_threads=1)
+    assert not np.array_equal(one.reshape(-1), theirs)  # the per-head vectors matter
+    # through the cache too, with a key distinct from one vector's
+    cache = C.CandidateCache(tmp_path / "cache")
+    res = C.precache_local([(name, w2, type_name, row)], cache, progress=False, n_threads=1)
+    np.testing.assert_array_equal(cache.get(res[(name, type_name)]).reshape(-1), theirs)
+
+
+def test_per_slice_imatrix_rules():
+    """An entry of k * n_per_row values is k per-slice vectors; other sizes are refused (but
+    not for token_embd, which llama-quantize lets go without one); the rows must split into k
+    slices; error-feedback rounding is not asked of such a tensor."""
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((8, 32)).astype(np.float32)
+    flat = (rng.random(4 * 32) + 0.1).astype(np.float32)
+    got = C.effective_imatrix(flat, "blk.0.attn_k_b.weight", 32)
+    assert got.shape == (4, 32) and np.array_equal(got.reshape(-1), flat)
+    assert C.effective_imatrix(flat.reshape(4, 32), "blk.0.ffn_up_exps.weight", 32).shape \
+        == (4, 32)
+    assert C.effective_imatrix(flat[:32], "x.weight", 32).shape == (32,)
+    assert C.effective_imatrix(flat[None, :32], "x.weight", 32).shape == (32,)
+    with pytest.raises(ValueError, match="not a multiple") as e:
+        C.effective_imatrix(flat[:40], "blk.0.attn_k_b.weight", 32)
+    assert "refuses" not in str(e.value)
+    assert C.effective_imatrix(flat, "token_embd.weight", 32) is None
+    assert C.effective_imatrix(flat[:40], "token_embd.weight", 32) is None
+    with pytest.raises(ValueError, match="do not split into the 3 slices"):
+        C.quantize_candidate(np.ones((8, 32), np.float32), "Q8_0", flat[:96], "x.weight")
+    # per-slice vectors for 4 heads of 2 rows each: the slices' own bytes
+    a = C.quantize_candidate(w, "IQ4_NL", flat, "blk.0.attn_k_b.weight", n_threads=1)
+    b = np.concatenate([cython_ggml.quantize(np.ascontiguousarray(w[2 * i:2 * i + 2]), "IQ4_NL",
+                                             imatrix=np.ascontiguousarray(flat[32 * i:32 * (i + 1)]),
+                                             n_threads=1) for i in range(4)])
+    np.testing.assert_array_equal(a, b)
+    # with a Hessian (--rounding gptq / auto) such a tensor keeps llama-quantize's rounding
+    h = np.eye(32, dtype=np.float32)
+    res, todo = C.plan_precache([C.CandidateJob("blk.0.attn_k_b.weight", w, "IQ4_NL", flat, h),
+                                 C.CandidateJob("x.weight", w, "IQ4_NL", flat[:32], h)],
+                                C.CandidateCache("/nonexistent"))
+    assert res[("blk.0.attn_k_b.weight", "IQ4_NL")].rounding == "ggml"
+    assert res[("x.weight", "IQ4_NL")].rounding.startswith("gptq:")
+    assert [j.hessian is None for j, _ in todo] == [True, False]

@@ -196,3 +196,72 @@ def test_prepare_real_gguf(smol_gguf, tmp_path):
     ad = get_adapter(model.config)
     k = model.get_submodule("model.layers.0.self_attn.k_proj").weight.detach().numpy()
     assert np.array_equal(ad.gguf_rows_to_hf("blk.0.attn_k.weight", np.asarray(t.data)), k)
+
+
+# ------------------------------------------------- raw config.json keys transformers 5 drops
+@pytest.mark.slow
+def test_converter_sees_raw_config_keys_transformers_drops(tmp_path):
+    """llama.cpp's converter reads ``AutoConfig...to_dict()`` (it pins transformers 4.57);
+    transformers 5 moves GPT-NeoX's ``rotary_pct`` into ``rope_parameters``, and the converter
+    then failed with ``KeyError: 'rotary_pct'`` on every Pythia/GPT-NeoX folder. Voodoo runs
+    it with the raw config.json keys added back: a tiny GPT-NeoX (rotary_pct 0.25) converts,
+    its GGUF has the right RoPE width, and llama.cpp agrees with transformers on it."""
+    import sys
+    from pathlib import Path
+
+    from voodoo.agreement import preflight
+    from voodoo.llamacpp import LlamaCppNotBuilt, source_dir, tool_path
+    try:
+        source_dir()
+        tool_path("llama-perplexity")
+    except LlamaCppNotBuilt as e:
+        pytest.skip(str(e))
+    sys.path.insert(0, str(Path(__file__).parent))
+    from transformers import AutoConfig
+    from zoo import _build, zoo_tokens
+
+    d = _build("GPTNeoXForCausalLM", dict(
+        model_type="gpt_neox", hidden_size=128, intermediate_size=512, num_hidden_layers=2,
+        num_attention_heads=4, rotary_pct=0.25, tie_word_embeddings=False),
+        # as a Pythia checkpoint's config.json has it (transformers 5 saves rope_parameters)
+        {"config_json": {"rotary_pct": 0.25}}, tmp_path / "tiny-neox", seed=0)
+    assert "rotary_pct" not in AutoConfig.from_pretrained(d).to_dict()  # what broke it
+    p = prepare_model(d, work_dir=tmp_path / "w")
+    r = read_gguf(p.base_gguf)
+    assert r.fields["general.architecture"].contents() == "gptneox"
+    assert r.fields["gptneox.rope.dimension_count"].contents() == 8     # 0.25 * 128 / 4
+    model = load_hf_model(p)
+    tokens = zoo_tokens(model.config.vocab_size, n_chunk=2, n_ctx=128, seed=1)
+    res = preflight(model, p.base_gguf, tokens, threads=2)
+    assert res["kld_mean"] < 1e-4 and res["same_top_p"] > 0.99, res
+
+
+def test_converter_shim_adds_only_absent_keys(tmp_path):
+    """The hparams wrapper adds raw keys where absent (also inside sub-dicts both have) and
+    never overrides what transformers produced."""
+    import subprocess
+
+    from voodoo.models import converter_command
+    conv = tmp_path / "src" / "conversion"
+    conv.mkdir(parents=True)
+    (conv / "__init__.py").write_text("from .base import ModelBase\n")
+    (conv / "base.py").write_text(
+        "class ModelBase:\n"
+        "    @staticmethod\n"
+        "    def load_hparams(dir_model, is_mistral_format):\n"
+        "        return {'a': 1, 'sub': {'x': 1}, 'rope_parameters': {'f': 0.5}}\n")
+    script = tmp_path / "src" / "conv.py"
+    script.write_text("import json, sys\nfrom conversion import ModelBase\n"
+                      "print(json.dumps(ModelBase.load_hparams(sys.argv[1], False)))\n"
+                      "print(json.dumps(ModelBase.load_hparams(sys.argv[1], "
+                      "is_mistral_format=True)))\n")
+    m = tmp_path / "m"
+    m.mkdir()
+    (m / "config.json").write_text(json.dumps(
+        {"a": 2, "rotary_pct": 0.5, "sub": {"x": 2, "y": 3}, "hybrid_override_pattern": "M*"}))
+    r = subprocess.run(converter_command(script, str(m)), capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    got, mistral = (json.loads(x) for x in r.stdout.splitlines())
+    assert got == {"a": 1, "sub": {"x": 1, "y": 3}, "rope_parameters": {"f": 0.5},
+                   "rotary_pct": 0.5, "hybrid_override_pattern": "M*"}
+    assert mistral == {"a": 1, "sub": {"x": 1}, "rope_parameters": {"f": 0.5}}

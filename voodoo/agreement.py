@@ -24,6 +24,7 @@ F32 GGUF of it must agree, or the KLD Voodoo optimises (torch) is not what llama
 from __future__ import annotations
 
 import os
+import re
 import struct
 import tempfile
 from pathlib import Path
@@ -36,7 +37,7 @@ from .evaluate import PerplexityError, _run_tool, _tail, parse_perplexity_output
 from .llamacpp import tool_path
 
 __all__ = ["write_kld_base", "read_kld_base", "torch_logits", "chunk_tokens", "gguf_vocab",
-           "llama_vs_torch", "preflight", "AgreementError", "KLD_MAGIC",
+           "llama_vs_torch", "preflight", "AgreementError", "LlamaCppLoadError", "KLD_MAGIC",
            "DEFAULT_PREFLIGHT_MAX_KLD", "DEFAULT_PREFLIGHT_CTX", "DEFAULT_PREFLIGHT_CHUNKS"]
 
 #: The base-logits file's first 8 bytes (``perplexity()`` / ``kl_divergence()``).
@@ -68,6 +69,35 @@ class AgreementError(RuntimeError):
     def __init__(self, message: str, result: dict):
         super().__init__(message)
         self.result = result
+
+
+class LlamaCppLoadError(PerplexityError):
+    """llama.cpp cannot load a GGUF at all (its loader refuses it, e.g. ``check_tensor_dims:
+    tensor '...' has wrong shape`` for a configuration it does not support). Not an
+    :class:`AgreementError`: ``--skip_preflight`` cannot help, every later step runs llama.cpp
+    on that file.
+
+    Attributes: ``reason`` (llama.cpp's own reason line, after ``error loading model:``),
+    ``gguf_path``."""
+
+    def __init__(self, message: str, reason: str, gguf_path):
+        super().__init__(message)
+        self.reason = reason
+        self.gguf_path = Path(gguf_path)
+
+
+_LOAD_ERROR = re.compile(r"error loading model:\s*(.+)")
+
+
+def _load_failure(gguf_path, output: str) -> LlamaCppLoadError | None:
+    """A :class:`LlamaCppLoadError` when a llama.cpp tool's ``output`` says it could not load
+    the model (``llama_model_load: error loading model: <reason>``), else None."""
+    m = _LOAD_ERROR.search(output)
+    if not m:
+        return None
+    reason = m.group(1).strip()
+    return LlamaCppLoadError(f"llama.cpp cannot load {Path(gguf_path).name}: {reason}",
+                             reason, gguf_path)
 
 
 # ---------------------------------------------------------------------------- the file format
@@ -297,7 +327,8 @@ def llama_vs_torch(gguf_path: str | os.PathLike, model_or_logits, tokens: torch.
         ValueError: bad shapes, too few scored positions, or a vocabulary size that differs
             between the logits and the GGUF (llama.cpp would only log it and compare garbage).
         voodoo.llamacpp.LlamaCppNotBuilt: llama-perplexity is not built.
-        voodoo.evaluate.PerplexityError: llama-perplexity failed or printed no KLD.
+        voodoo.evaluate.PerplexityError: llama-perplexity failed or printed no KLD;
+            :class:`LlamaCppLoadError` (a subclass) when it could not load ``gguf_path``.
     """
     gguf_path = Path(gguf_path)
     if not gguf_path.is_file():
@@ -337,13 +368,19 @@ def llama_vs_torch(gguf_path: str | os.PathLike, model_or_logits, tokens: torch.
         if threads is not None:
             args += ["-t", str(threads)]
         for _ in range(_ATTEMPTS):
-            out = _run_tool(args, timeout)
+            try:
+                out = _run_tool(args, timeout)
+            except PerplexityError as e:
+                raise (_load_failure(gguf_path, str(e)) or e) from None
             res = parse_perplexity_output(out)
             # llama-perplexity sometimes exits 0 with its statistics missing or cut short
             # (seen under load: the KLD lines without the "Same top p" line): run it again
             if all(k in res for k in ("kld", "kld_p99_9", "same_top_p")):
                 break
     if not all(k in res for k in ("kld", "kld_p99_9", "same_top_p")):
+        bad = _load_failure(gguf_path, out)
+        if bad is not None:
+            raise bad
         raise PerplexityError(f"llama-perplexity printed no KL divergence for {gguf_path.name} "
                               f"against torch logits:\n{_tail(out)}")
     return {"kld_mean": res["kld"], "kld_err": res.get("kld_err"),
@@ -377,9 +414,22 @@ def preflight(hf_model: torch.nn.Module, f32_gguf: str | os.PathLike, tokens: to
         AgreementError: mean KLD above ``max_kld``. The message names the KLD and the same
             top-p, says what it means (the KLD Voodoo optimises in torch would not be the one
             llama.cpp serves) and how to go on anyway (``--skip_preflight``).
+        LlamaCppLoadError: llama.cpp cannot load ``f32_gguf`` at all (its converter wrote a
+            file its loader refuses, e.g. ``check_tensor_dims: ... has wrong shape``); the
+            one-line message quotes llama.cpp's reason and says no Voodoo flag helps.
         and what :func:`llama_vs_torch` raises.
     """
-    res = llama_vs_torch(f32_gguf, hf_model, tokens, **kwargs)
+    try:
+        res = llama_vs_torch(f32_gguf, hf_model, tokens, **kwargs)
+    except LlamaCppLoadError as e:
+        from .llamacpp import llama_cpp_commit
+        raise LlamaCppLoadError(
+            f"llama.cpp {llama_cpp_commit()} cannot load {Path(f32_gguf).name}, the F32 GGUF "
+            f"its own converter wrote for this model (llama.cpp says: {e.reason}). It is a "
+            "limit of llama.cpp at this commit for this model's configuration, not something "
+            "a Voodoo flag changes (--skip_preflight neither: every later step runs llama.cpp "
+            "on this file); use a configuration llama.cpp supports, or a llama.cpp that loads "
+            "it", e.reason, f32_gguf) from None
     res["max_kld"] = max_kld
     if not res["kld_mean"] <= max_kld:          # also catches nan
         top = res.get("same_top_p")

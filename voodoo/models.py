@@ -38,7 +38,7 @@ __all__ = [
     "PreparedModel", "prepare_model", "load_hf_model", "default_model", "make_tiny_model",
     "gguf_to_f32", "convert_hf_to_f32_gguf", "ModelPreparationError", "sha256_file",
     "DEFAULT_MODEL_WHEEL", "model_name_from_path", "converter_info", "converter_flags",
-    "converter_options",
+    "converter_options", "converter_command",
 ]
 
 
@@ -501,12 +501,66 @@ def converter_options(hf_config: dict, user_args: Sequence[str] = (),
     return flags
 
 
+#: Run as ``python -c _CONVERTER_SHIM <script> <args...>``: runs a llama.cpp converter script
+#: (``convert_hf_to_gguf.py``, or any script that imports its ``conversion`` package) as
+#: ``__main__`` after wrapping ``conversion.base.ModelBase.load_hparams``, so that the hparams
+#: hold every key of the folder's raw ``config.json`` that ``AutoConfig...to_dict()`` lost.
+#: llama.cpp pins transformers 4.57; transformers 5 moves or drops legacy keys (GPT-NeoX's
+#: ``rotary_pct`` goes into ``rope_parameters``: ``KeyError: 'rotary_pct'`` in
+#: conversion/gptneox.py; Nemotron-H's ``hybrid_override_pattern`` is dropped). Raw keys are
+#: added where absent, recursively into sub-dicts present in both (``text_config``); a key
+#: transformers produced is never overridden.
+_CONVERTER_SHIM = r"""
+import json, runpy, sys
+from pathlib import Path
+script = Path(sys.argv[1]).resolve()
+sys.argv = [str(script), *sys.argv[2:]]
+sys.path.insert(0, str(script.parent))
+from conversion import base as _base
+
+def _add_missing(have, raw):
+    for k, v in raw.items():
+        if k not in have:
+            have[k] = v
+        elif isinstance(have[k], dict) and isinstance(v, dict):
+            _add_missing(have[k], v)
+    return have
+
+_orig = _base.ModelBase.load_hparams
+
+def load_hparams(dir_model, is_mistral_format, *a, **kw):
+    config = _orig(dir_model, is_mistral_format, *a, **kw)
+    cfg = Path(dir_model) / "config.json"
+    if not is_mistral_format and isinstance(config, dict) and cfg.is_file():
+        try:
+            raw = json.loads(cfg.read_text(encoding="utf-8"))
+        except ValueError:
+            raw = None
+        if isinstance(raw, dict):
+            _add_missing(config, raw)
+    return config
+
+_base.ModelBase.load_hparams = staticmethod(load_hparams)
+runpy.run_path(str(script), run_name="__main__")
+"""
+
+
+def converter_command(script: str | os.PathLike, *args: str) -> list[str]:
+    """The command that runs a llama.cpp converter ``script`` (``convert_hf_to_gguf.py`` or
+    a script importing its ``conversion`` package) with ``args`` under
+    :data:`_CONVERTER_SHIM`: the converter's hparams then carry every raw ``config.json`` key
+    the installed transformers' ``to_dict()`` lost. Needs the pinned source's ``gguf-py`` on
+    ``PYTHONPATH``, as the script itself does."""
+    return [sys.executable, "-c", _CONVERTER_SHIM, str(script), *map(str, args)]
+
+
 def convert_hf_to_f32_gguf(hf_dir: str | os.PathLike, out: str | os.PathLike,
                            timeout: float | None = 3600,
                            extra_args: Sequence[str] = ()) -> Path:
     """Runs the pinned llama.cpp's ``convert_hf_to_gguf.py <hf_dir> --outtype f32
-    [extra_args]`` (with ``PYTHONPATH=<src>/gguf-py`` so it uses its own gguf-py), to a
-    temporary file renamed to ``out``. Returns ``out``.
+    [extra_args]`` (with ``PYTHONPATH=<src>/gguf-py`` so it uses its own gguf-py; through
+    :func:`converter_command`, so raw config.json keys the installed transformers drops still
+    reach it), to a temporary file renamed to ``out``. Returns ``out``.
 
     ``extra_args``: more converter flags, e.g. :func:`converter_flags`'s ``--no-mtp``.
 
@@ -525,8 +579,8 @@ def convert_hf_to_f32_gguf(hf_dir: str | os.PathLike, out: str | os.PathLike,
     env["PYTHONPATH"] = os.pathsep.join([str(src / "gguf-py")] + (
         [env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     env.setdefault("HF_HUB_OFFLINE", "1")
-    cmd = [sys.executable, str(src / "convert_hf_to_gguf.py"), str(hf_dir), "--outtype", "f32",
-           "--outfile", tmp, *extra_args]
+    cmd = converter_command(src / "convert_hf_to_gguf.py", str(hf_dir), "--outtype", "f32",
+                            "--outfile", tmp, *extra_args)
     _log(f"converting {hf_dir} to an F32 GGUF with llama.cpp's convert_hf_to_gguf.py")
     try:
         r = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
