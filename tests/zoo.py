@@ -130,6 +130,16 @@ FAMILIES: dict[str, tuple[str, dict, dict]] = {
         model_type="gpt2", n_embd=128, n_layer=2, n_head=4, n_positions=1024, n_ctx=1024,
         resid_pdrop=0.0,
         embd_pdrop=0.0, attn_pdrop=0.0), {}),
+    # MLA (multi-head latent attention) + MoE with a shared expert: kv_b_proj is read by
+    # two GGUF tensors, attn_k_b per head transposed and attn_v_b as it is (3-D, one imatrix
+    # vector per head)
+    "deepseek_v2": ("DeepseekV2ForCausalLM", dict(
+        model_type="deepseek_v2", hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        moe_intermediate_size=128, n_routed_experts=4, num_experts_per_tok=2,
+        n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=64, q_lora_rank=64,
+        qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=32, num_attention_heads=4,
+        num_key_value_heads=4, topk_method="greedy", n_group=1, topk_group=1,
+        rope_scaling=None), {}),
     "mamba2": ("Mamba2ForCausalLM", dict(
         model_type="mamba2", hidden_size=128, num_hidden_layers=2, num_heads=8, head_dim=32,
         expand=2, state_size=32, n_groups=1, conv_kernel=4, chunk_size=64,

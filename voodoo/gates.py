@@ -711,7 +711,18 @@ def assemble_param(shape, transpose: bool, links, get, base, dtype, device,
     scale, columns un-permuted, transposed back). ``base``: the parameter's row view, for the
     elements no link covers (None when every element is covered). Differentiable in ``get``'s
     tensors."""
-    from .tensormap import _idx
+    from .tensormap import _idx, row_view
+
+    if len({lk.transpose for _, lk in links}) > 1:
+        # one parameter read both transposed and not (MLA's kv_b_proj: attn_k_b takes its
+        # key half per head transposed, attn_v_b its value half as it is): the links of the
+        # base's orientation first, then the others over that result in their own orientation
+        # (the two groups cover disjoint elements)
+        first = [x for x in links if x[1].transpose == transpose]
+        other = [x for x in links if x[1].transpose != transpose]
+        w = assemble_param(shape, transpose, first, get, base, dtype, device)
+        return assemble_param(shape, not transpose, other, get, row_view(w, not transpose),
+                              dtype, device)
 
     def unview(v):
         if len(shape) <= 1:
@@ -828,8 +839,9 @@ def param_links(model: nn.Module, tmap, have, what: str):
     full, simple)`` where ``owners`` lists the ``(module, attr)`` holding ``p``, ``view`` is
     :func:`voodoo.tensormap.row_view` of it, ``full`` says the links cover every row and
     column, and ``simple`` that one link copies it unchanged. Raises ValueError for a
-    parameter the model lacks, one read both transposed and not, or a GGUF tensor not in
-    ``have`` (``"no {what} for <name>"``)."""
+    parameter the model lacks or a GGUF tensor not in ``have`` (``"no {what} for <name>"``).
+    A parameter read both transposed and not (MLA's ``kv_b_proj``) comes with the first
+    link's orientation and ``full`` False."""
     from .tensormap import row_view
     owners: dict[int, list[tuple[nn.Module, str]]] = {}
     for mod in model.modules():
@@ -846,18 +858,19 @@ def param_links(model: nn.Module, tmap, have, what: str):
                 raise ValueError(f"no {what} for {e.gguf_name}")
         p = params[pname]
         transposes = {lk.transpose for _, lk in links}
-        if len(transposes) != 1:
-            raise ValueError(f"{pname}: read both transposed and not by the GGUF tensors "
-                             f"{sorted({e.gguf_name for e, _ in links})}")
-        t = transposes.pop()
+        t = links[0][1].transpose
         view = row_view(p.detach(), t)
         covered = np.zeros(view.shape[0], bool)
         full_cols = True
         for _, lk in links:
+            if lk.transpose != t:
+                continue  # rows of the other orientation
             covered[lk.p_rows] = True
             if lk.cols is not None and lk.cols.size != view.shape[1]:
                 full_cols = False
-        full = bool(covered.all()) and full_cols
+        # read both transposed and not (assemble_param takes the two orientations in turn):
+        # coverage is not worked out across them, the base is kept
+        full = bool(covered.all()) and full_cols and len(transposes) == 1
         simple = (len(links) == 1 and full and links[0][1].cols is None and
                   links[0][1].scale is None and
                   np.array_equal(links[0][1].p_rows, np.arange(view.shape[0])) and

@@ -391,7 +391,8 @@ def _run_converter(runs: list[tuple[Path, Path]], converter_args, spec_path: Pat
     spec_path.write_text(json.dumps({"runs": [[str(a), str(b)] for a, b in runs],
                                      "flags": list(converter_args)}))
     script = Path(__file__).with_name("_converter_probe.py")
-    r = subprocess.run([sys.executable, str(script), str(src), str(spec_path)], env=env,
+    from .models import converter_command  # raw config.json keys transformers 5 drops
+    r = subprocess.run(converter_command(script, str(src), str(spec_path)), env=env,
                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                        errors="replace")
     if r.returncode == 3:
