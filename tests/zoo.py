@@ -140,6 +140,13 @@ FAMILIES: dict[str, tuple[str, dict, dict]] = {
         qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=32, num_attention_heads=4,
         num_key_value_heads=4, topk_method="greedy", n_group=1, topk_group=1,
         rope_scaling=None), {}),
+    # parallel attention + MLP, partial rotary, LayerNorm with biases; rotary_pct written
+    # into config.json as Pythia's checkpoints have it (transformers 5 saves
+    # rope_parameters, which the pinned converter does not read)
+    "gpt_neox": ("GPTNeoXForCausalLM", dict(
+        model_type="gpt_neox", hidden_size=128, intermediate_size=512, num_hidden_layers=2,
+        num_attention_heads=4, rotary_pct=0.25, tie_word_embeddings=False),
+        {"config_json": {"rotary_pct": 0.25}}),
     "mamba2": ("Mamba2ForCausalLM", dict(
         model_type="mamba2", hidden_size=128, num_hidden_layers=2, num_heads=8, head_dim=32,
         expand=2, state_size=32, n_groups=1, conv_kernel=4, chunk_size=64,
