@@ -143,8 +143,10 @@ def _menu_flags(ap, menus: bool = True):
                          "the calibration tokens and saved as <output_dir>/imatrix.gguf")
     ap.add_argument("--imatrix_blocks", type=int, default=16,
                     help="calibration blocks for a computed imatrix")
-    ap.add_argument("--cache_dir", default=None, help="candidate cache (default ~/.cache/voodoo/"
-                                                      "candidates, or $VOODOO_CACHE)")
+    ap.add_argument("--cache_dir", default=None,
+                    help="candidate cache (default ~/.cache/voodoo/candidates, or "
+                         "$VOODOO_CACHE/candidates); the prepared models, Fisher and KLD "
+                         "caches move only with $VOODOO_CACHE")
     ap.add_argument("--no_ray", action="store_true",
                     help="quantize candidates in this process instead of Ray actors")
     ap.add_argument("--rounding", choices=["ggml", "gptq", "auto"], default=None,
