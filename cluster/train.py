@@ -382,6 +382,39 @@ def _prune(run_dir: Path, keep: int, newest: int) -> None:
             shutil.rmtree(p, ignore_errors=True)
 
 
+#: Ray Train's record of a run's reported checkpoints, in the run folder (Ray 2.60:
+#: ``ray.train.v2._internal.constants.CHECKPOINT_MANAGER_SNAPSHOT_FILENAME``)
+RAY_SNAPSHOT = "checkpoint_manager_snapshot.json"
+
+
+def _forget_pruned_in_ray_snapshot(run_dir) -> str | None:
+    """Sets aside Ray Train's record of the run's checkpoints (:data:`RAY_SNAPSHOT`, renamed to
+    ``*.pruned``) when it names a checkpoint folder that is gone, and says so; returns the new
+    name, or None (no record, a remote storage path, or nothing gone).
+
+    The record lists every reported checkpoint (``CheckpointConfig(num_to_keep=None)``) while
+    the loop keeps only the ``num_to_keep`` newest (:func:`_prune`), and Ray 2.60 refuses to
+    start a run whose record names a missing folder (``CheckpointManagerInitializationError``,
+    "delete the existing folder"): every rerun of a run that wrote more than ``num_to_keep``
+    checkpoints failed. The loop resumes from the newest complete checkpoint on storage
+    (:func:`newest_checkpoint`) whatever Ray offers, so nothing is lost without the record."""
+    p = Path(str(run_dir)) / RAY_SNAPSHOT
+    try:
+        text = p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return None
+    gone = sorted(n for n in set(re.findall(r"checkpoint_\d{6}", text))
+                  if not (p.parent / n).is_dir())
+    if not gone:
+        return None
+    aside = p.with_name(p.name + ".pruned")
+    os.replace(p, aside)
+    print(f"[voodoo train] Ray Train's checkpoint record names {len(gone)} pruned checkpoint(s) "
+          f"({gone[0]}...): set aside as {aside.name}; resuming from the newest complete "
+          f"checkpoint in {p.parent}", file=sys.stderr, flush=True)
+    return str(aside)
+
+
 def _checkpoint_step(path) -> int:
     st = load_checkpoint_state(path)
     return int(st["step"])
@@ -910,6 +943,7 @@ def run_training(factory: Callable[[WorkerInfo], StudentJob], cfg: TrainConfig, 
     trainer = _trainer_class()(train_loop_per_worker, train_loop_config=loop_config,
                                scaling_config=scaling, run_config=run_config)
     run_dir = loop_config["run_dir"]
+    _forget_pruned_in_ray_snapshot(run_dir)
     try:
         result = trainer.fit()
     except TrainingFailedError as e:

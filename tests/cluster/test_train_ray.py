@@ -154,3 +154,23 @@ def test_command_line_names_the_command_to_rerun():
     from cluster.train import command_line
     assert command_line(["/usr/local/bin/voodoo", "tp", "--nproc", "2", "--", "--model",
                          "my model"]) == "voodoo tp --nproc 2 -- --model 'my model'"
+
+
+def test_rerun_after_more_checkpoints_than_kept(tmp_path, reference, ray_up):
+    """A run that wrote more checkpoints than it keeps (6 reports, 2 kept) is run again with
+    the same name: Ray Train's record still names the pruned folders, which Ray 2.60 refuses
+    to start from; the record is set aside and the rerun resumes from storage (it used to end
+    in CheckpointManagerInitializationError)."""
+    from cluster.train import RAY_SNAPSHOT
+    runs = tmp_path / "runs"
+    cfg = _cfg(partial_save_interval=1)
+    first = run_training(TinyLlamaFactory(), cfg, num_workers=1, run_name="again",
+                         storage_path=runs, resources_per_worker={"CPU": 0.5})
+    assert first.finished
+    snap = (runs / "again" / RAY_SNAPSHOT).read_text()
+    assert "checkpoint_000001" in snap and not (runs / "again" / "checkpoint_000001").exists()
+    again = run_training(TinyLlamaFactory(), cfg, num_workers=1, run_name="again",
+                         storage_path=runs, resources_per_worker={"CPU": 0.5})
+    assert again.finished and again.step == 6
+    _same_gates(again.gates, first.gates)
+    assert (runs / "again" / (RAY_SNAPSHOT + ".pruned")).is_file()
