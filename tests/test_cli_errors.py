@@ -711,3 +711,20 @@ def test_changed_run_imatrix_is_recomputed(tiny_fixed, tmp_path):  # noqa: F811
     assert rc == 0, err[-2000:]
     assert "bytes changed since Voodoo wrote it" in err, err[-2000:]
     assert im.read_bytes() == good
+
+
+def test_relative_output_dir_in_a_ray_job_copy(tmp_path, monkeypatch):
+    """Under ``ray job submit --working-dir`` the job's cwd is Ray's temporary copy of that
+    folder: a relative (or default) output folder is refused before any work, naming the fix;
+    an absolute one is fine."""
+    from types import SimpleNamespace
+
+    from voodoo.cli import UsageError, _out_dir
+    job = tmp_path / "session_x" / "runtime_resources" / "working_dir_files" / "_ray_pkg_ab"
+    job.mkdir(parents=True)
+    monkeypatch.chdir(job)
+    for out in ("runs/x", None):
+        with pytest.raises(UsageError, match="absolute --output_dir"):
+            _out_dir(SimpleNamespace(output_dir=out))
+    assert not (job / "runs").exists()
+    assert _out_dir(SimpleNamespace(output_dir=str(tmp_path / "abs"))) == tmp_path / "abs"

@@ -629,7 +629,26 @@ def _print_recipe(gguf: Path, base_gguf: Path, imatrix) -> None:
               "out.gguf Q8_0")
 
 
+#: the folder ``ray job submit --working-dir`` runs a job in: Ray's own copy of the working
+#: directory under its session folder (``<temp>/session_*/runtime_resources/
+#: working_dir_files/_ray_pkg_<hash>``), removed with the session
+_RAY_JOB_COPY = os.sep + os.path.join("runtime_resources", "working_dir_files") + os.sep
+
+
+def _check_not_in_ray_job_copy(d: Path) -> None:
+    """UsageError for a relative output folder of a job started by ``ray job submit
+    --working-dir``: it would land in Ray's temporary copy of the working directory, where
+    nobody looks and which goes with the Ray session."""
+    cwd = os.getcwd()
+    if not d.is_absolute() and _RAY_JOB_COPY in cwd + os.sep:
+        raise UsageError(f"this job runs in Ray's temporary copy of its --working-dir ({cwd}), "
+                         f"so the output folder {d} would be written there and lost with the "
+                         "Ray session; pass an absolute --output_dir (on shared storage when "
+                         "the cluster has several nodes)")
+
+
 def _out_dir(a, ctx=None) -> Path:
+    _check_not_in_ray_job_copy(Path(a.output_dir) if a.output_dir else Path("runs"))
     if a.output_dir:
         d = Path(a.output_dir)
         if d.exists() and not d.is_dir():
@@ -1407,6 +1426,7 @@ def _data(argv):
         if isinstance(e, UsageError):
             raise
     out = Path(a.data_dir or (Path(a.output_dir or "runs/" + prepared.name) / "data"))
+    _check_not_in_ray_job_copy(out)
     meta = build_dataset(tok, a.data_name, out, a.seq_len, a.n_train_blocks, a.n_eval_blocks,
                          a.seed)
     print(json.dumps({k: meta[k] for k in meta if k in ("n_train", "n_eval", "seq_len",
