@@ -603,6 +603,9 @@ def run_loop(config: dict, backend) -> dict:
             optimizer.load_state_dict(rk["optimizer"])
             _set_rng_state(rk["rng"])
             step, history = int(st["step"]), list(st["history"])
+            if rank == 0:
+                print(f"[voodoo train] resuming from {d} (step {step} of {cfg.max_steps})",
+                      file=sys.stderr, flush=True)
         else:
             start_gates(mixed_weights(student), cfg, budget, init_logits,
                         shapes, student=student, teacher=teacher, blocks=job.train_blocks)
