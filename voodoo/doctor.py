@@ -160,7 +160,7 @@ def run(out=sys.stdout, model: str | None = None) -> int:
         for k, v in env.items():
             line(f"env {k}", f"{os.environ.get(k, '(unset)')} (voodoo tp sets {v})")
     else:  # GPU/NCCL settings: noise on a CPU machine where none is set
-        line("GPU/NCCL env", f"{len(env)} variables, none set; voodoo tp sets them on GPU "
+        line("GPU/NCCL env", f"none set of {', '.join(env)}; voodoo tp sets them on GPU "
                              "workers")
     if cython_ggml is not None:
         try:
