@@ -613,15 +613,21 @@ def _calibration_text(path: Path) -> Path:
     return path
 
 
-def test_data_keeps_the_run_folders_corpus(tiny_fixed, tmp_path):  # noqa: F811
-    """``voodoo data --seq_len 32`` on a run folder built from a text file rebuilds the blocks
-    from that file (the flags not given are the folder's), not from the default corpus."""
+def _data_from_text(model, tmp_path):
+    """``voodoo data`` from a small text file into ``tmp_path/run``: (run folder, text)."""
     out = tmp_path / "run"
     txt = _calibration_text(tmp_path / "calib.txt")
-    rc, _, err = run_cli(["data", "--model", str(tiny_fixed), "--output_dir", str(out),
+    rc, _, err = run_cli(["data", "--model", str(model), "--output_dir", str(out),
                           "--data_name", str(txt), "--seq_len", "64", "--n_train_blocks", "4",
                           "--n_eval_blocks", "2"])
     assert rc == 0, err[-2000:]
+    return out, txt
+
+
+def test_data_keeps_the_run_folders_corpus(tiny_fixed, tmp_path):  # noqa: F811
+    """``voodoo data --seq_len 32`` on a run folder built from a text file rebuilds the blocks
+    from that file (the flags not given are the folder's), not from the default corpus."""
+    out, txt = _data_from_text(tiny_fixed, tmp_path)
     rc, _, err = run_cli(["data", "--model", str(tiny_fixed), "--output_dir", str(out),
                           "--seq_len", "32"])
     assert rc == 0, err[-2000:]
@@ -634,12 +640,7 @@ def test_data_keeps_the_run_folders_corpus(tiny_fixed, tmp_path):  # noqa: F811
 def test_corrupt_data_meta_is_not_replaced_by_the_defaults(tiny_fixed, tmp_path):  # noqa: F811
     """A run folder whose data/meta.json is unreadable: a command without --data_name stops
     (rebuilding from the defaults would silently change the corpus) and names the way out."""
-    out = tmp_path / "run"
-    txt = _calibration_text(tmp_path / "calib.txt")
-    rc, _, err = run_cli(["data", "--model", str(tiny_fixed), "--output_dir", str(out),
-                          "--data_name", str(txt), "--seq_len", "64", "--n_train_blocks", "4",
-                          "--n_eval_blocks", "2"])
-    assert rc == 0, err[-2000:]
+    out, txt = _data_from_text(tiny_fixed, tmp_path)
     (out / "data" / "meta.json").write_text("{not json")
     rc, _, err = run_cli(["train", "--model", str(tiny_fixed), "--output_dir", str(out),
                           "--no_ray", "--max_steps", "2"])
