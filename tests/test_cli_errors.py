@@ -412,8 +412,9 @@ def test_sigint_during_cli_export_leaves_no_file(sig, status, word, tiny_fixed, 
     assert f"voodoo export: {word}" in err and "Traceback" not in err
     assert not (out / "x.gguf").exists()
     left = sorted(p.name for p in out.iterdir())
-    # the stages before export (and the run folder's provenance record), nothing of it
-    assert left == ["data", "imatrix.gguf", "provenance.json"], left
+    # the stages before export (the run folder's provenance record, the imatrix's sha256
+    # memo), nothing of it
+    assert left == ["data", "imatrix.gguf", "imatrix.gguf.sha256", "provenance.json"], left
 
 
 # ------------------------------------------------------------------------------- serve

@@ -124,20 +124,20 @@ def _check_seq_len(a, config) -> None:
 
 def _menu_flags(ap, menus: bool = True):
     """The candidate flags; ``menus=False`` (export, eval: the types come from the
-    --assignment) leaves the three menu flags out of the parser and its help."""
-    if not menus:
-        ap.set_defaults(candidate_types=None, attention_candidates=None,
-                        non_attention_candidates=None)
-    else:
-        ap.add_argument("--candidate_types", default=None,
-                        help="types for every tensor, e.g. 'Q8_0,Q6_K,Q4_K,IQ4_XS,IQ2_S'")
-        from .quants import DEFAULT_ATTENTION_MENU, DEFAULT_NON_ATTENTION_MENU
-        ap.add_argument("--attention_candidates", default=None,
-                        help="menu for attention tensors, comma-separated ggml types "
-                             f"(default: {','.join(DEFAULT_ATTENTION_MENU)})")
-        ap.add_argument("--non_attention_candidates", default=None,
-                        help="menu for the other tensors (default: "
-                             f"{','.join(DEFAULT_NON_ATTENTION_MENU)})")
+    --assignment) leaves the three menu flags out of the help (still accepted, unused)."""
+    import argparse
+
+    from .quants import DEFAULT_ATTENTION_MENU, DEFAULT_NON_ATTENTION_MENU
+    # export/eval: still accepted (a train command line reused as it is), not listed
+    hide = (lambda h: argparse.SUPPRESS) if not menus else (lambda h: h)
+    ap.add_argument("--candidate_types", default=None,
+                    help=hide("types for every tensor, e.g. 'Q8_0,Q6_K,Q4_K,IQ4_XS,IQ2_S'"))
+    ap.add_argument("--attention_candidates", default=None,
+                    help=hide("menu for attention tensors, comma-separated ggml types "
+                              f"(default: {','.join(DEFAULT_ATTENTION_MENU)})"))
+    ap.add_argument("--non_attention_candidates", default=None,
+                    help=hide("menu for the other tensors (default: "
+                              f"{','.join(DEFAULT_NON_ATTENTION_MENU)})"))
     ap.add_argument("--imatrix", default=None,
                     help="llama.cpp imatrix file (GGUF or legacy .dat); default: computed from "
                          "the calibration tokens and saved as <output_dir>/imatrix.gguf")
