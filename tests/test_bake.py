@@ -182,3 +182,47 @@ def test_ceiling_never_over_and_within_tolerance_under(frac):
     b = sum(nbytes[n][k] for n, k in arg.items())
     a = bake(logits, menus, nbytes, b - 1, ceiling=True)  # argmax is 1 byte over
     assert b - 1 - 0.005 * (b - 1) <= a["total_bytes"] <= b - 1
+
+
+def test_fill_spends_the_slack_where_the_costs_fall_most():
+    """Step 5: bytes left under the budget go to the upgrades of least summed cost (checked
+    against brute force over single and paired upgrades), never over budget - margin, never
+    above a downgrade guardrail, and nothing moves when no upgrade lowers the cost."""
+    import itertools
+    logits, menus, nbytes = synthetic(n_layers=2, seed=3)
+    arg = {n: int(torch.argmax(z)) for n, z in logits.items()}
+    total = sum(nbytes[n][k] for n, k in arg.items())
+    g = torch.Generator().manual_seed(1)
+    # costs falling with the bytes, as a prior's predicted KL does
+    costs = {n: sorted((torch.rand(len(menus[n]), generator=g) * 1e-3).tolist())
+             for n in menus}
+    names = sorted(menus)
+    slack, margin = 40_000, 1_000
+    a = bake(logits, menus, nbytes, total + slack, ceiling=True, tolerance=0.5, fill_costs=costs,
+             fill_margin=margin)
+    assert total < a["total_bytes"] <= total + slack - margin
+    got = {n: menus[n].index(a["tensors"][n]["type"]) for n in names}
+    assert all(got[n] <= arg[n] for n in names)  # only upgrades
+    c_got = sum(costs[n][got[n]] for n in names)
+    ups = [(n, k) for n in names for k in range(arg[n])]
+    for pick in itertools.chain(itertools.combinations(ups, 1), itertools.combinations(ups, 2)):
+        if len({n for n, _ in pick}) < len(pick):
+            continue
+        c = dict(arg)
+        c.update(dict(pick))
+        if sum(nbytes[n][c[n]] for n in names) <= total + slack - margin:
+            assert c_got <= sum(costs[n][c[n]] for n in names) + 1e-12
+    # a downgrade guardrail holds its tensor down
+    rule = [{"pattern": r"token_embd", "levels": -1}]
+    g2 = bake(logits, menus, nbytes, total + slack, tensor_upgrades=rule, ceiling=True, tolerance=0.5,
+              fill_costs=costs, fill_margin=margin)
+    plain = bake(logits, menus, nbytes, total + slack, tensor_upgrades=rule, ceiling=True, tolerance=0.5)
+    assert menus["token_embd.weight"].index(g2["tensors"]["token_embd.weight"]["type"]) >= \
+        menus["token_embd.weight"].index(plain["tensors"]["token_embd.weight"]["type"])
+    # costs that rise with bytes: no upgrade pays, the argmax stays
+    flat = {n: [-c for c in costs[n]] for n in names}
+    b = bake(logits, menus, nbytes, total + slack, ceiling=True, tolerance=0.5, fill_costs=flat)
+    assert all(b["tensors"][n]["type"] == menus[n][arg[n]] for n in names)
+    with pytest.raises(ValueError, match="fill_costs"):
+        bake(logits, menus, nbytes, total + slack, ceiling=True, tolerance=0.5,
+             fill_costs={n: [0.0] for n in names})

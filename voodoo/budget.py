@@ -146,7 +146,7 @@ def min_cost_assignment(cost: Mapping[str, Sequence[float]], nbytes: Mapping[str
     names = sorted(cost)
     unit = max(1, math.ceil(upper / resolution))
     cap = int(upper // unit)
-    u_min = max(0, math.ceil(lower / unit) + (len(names) if unit > 1 else 0))
+    u_min = max(0, math.ceil(lower / unit) + (len(names) if unit > 1 and lower > 0 else 0))
     if u_min > cap:
         return None
     best = np.full(cap + 1, np.inf)

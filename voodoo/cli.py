@@ -1307,13 +1307,16 @@ class Run:
     def bake_and_write(self, gates, budget):
         """Bakes ``gates`` (gguf_name -> logits) at ``budget`` bytes and writes
         ``<stem>.assignment.json`` and ``<stem>.gates.pt`` in the run folder."""
-        from .pipeline import bake_assignment, write_json
+        from .pipeline import bake_assignment, prior_costs, write_json
         a = self.a
         with self.timer("bake"):
-            # --match_size: the target file is a ceiling (at or under it, within 0.5%)
+            # --match_size: the target file is a ceiling (at or under it, within 0.5%); bytes
+            # the gates leave unused are spent where the Fisher prior says they help most
             self.assignment = bake_assignment(
                 gates, self.menus, self.table, budget, a.tensor_upgrades, tolerance=0.005,
-                ceiling_ref=getattr(self, "target_file_bytes", None))
+                ceiling_ref=getattr(self, "target_file_bytes", None),
+                fill_costs=(prior_costs(self.out / "train" / "sensitivity.json", self.menus)
+                            if getattr(a, "gate_init", "fisher") == "fisher" else None))
             self.stem = _stem(self.ctx, a, self.assignment)
             from .llamacpp import llama_cpp_commit
             self.assignment["model"] = str(Path(_model_arg(a)).resolve()) \

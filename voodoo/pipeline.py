@@ -825,6 +825,27 @@ def fisher_prior(ctx: Context, teacher: torch.nn.Module, menus, keys, cache: Can
     return logits
 
 
+#: Bytes :func:`bake_assignment`'s fill keeps free besides 32 a tensor: the KV pairs export
+#: adds beyond the base GGUF's metadata (about 350 bytes on SmolLM2) with room to spare.
+FILL_MARGIN_BASE = 4096
+
+
+def prior_costs(report_path, menus) -> dict | None:
+    """The Fisher prior's predicted KL per candidate (gguf_name -> K floats, menu order, nats
+    per token, activation rounding included) from the ``report_path`` that :func:`fisher_prior`
+    wrote, or None when there is none or it was made for other menus."""
+    import json
+    try:
+        rep = json.loads(Path(report_path).read_text())
+        t = rep["tensors"]
+        if set(t) != set(menus) or any(list(t[n]["menu"]) != [str(getattr(x, "name", x))
+                                                               for x in menus[n]] for n in t):
+            return None
+        return {n: [float(c) for c in t[n]["dkl"]] for n in t}
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def _vdt(type_name: str) -> str | None:
     from .actround import vec_dot_type
     try:
@@ -871,13 +892,18 @@ def train(ctx: Context, teacher, train_blocks, cfg, out_dir, budget=None, **kw):
 
 
 def bake_assignment(gates, menus, table, budget, tensor_upgrades=None, tolerance=0.005,
-                    path=None, ceiling_ref=None) -> dict:
+                    path=None, ceiling_ref=None, fill_costs=None) -> dict:
     """:func:`voodoo.bake.bake`, saved as JSON at ``path`` (atomically) when given.
     ``ceiling_ref`` (bytes): the budget is a ceiling and the total lands within
-    ``tolerance * ceiling_ref`` under it (``--match_size``)."""
+    ``tolerance * ceiling_ref`` under it (``--match_size``). ``fill_costs`` (gguf_name -> K
+    predicted KL, :func:`prior_costs`): bytes the gates leave under the budget are spent where
+    they lower it most, keeping :data:`FILL_MARGIN_BASE` bytes plus 32 a tensor free for the
+    GGUF's alignment padding and the metadata export adds."""
     from .bake import bake
+    margin = FILL_MARGIN_BASE + 32 * len(table)
     a = bake(gates, menus, table, budget, tensor_upgrades=tensor_upgrades, tolerance=tolerance,
-             ceiling=ceiling_ref is not None, ceiling_ref=ceiling_ref)
+             ceiling=ceiling_ref is not None, ceiling_ref=ceiling_ref, fill_costs=fill_costs,
+             fill_margin=margin)
     if path:
         write_json(path, a)
     return a
