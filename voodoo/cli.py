@@ -1423,11 +1423,12 @@ def _data(argv):
     prepared = prepare_model(_model_arg(a))
     tok = AutoTokenizer.from_pretrained(prepared.hf_dir)
     from transformers import AutoConfig
-    try:
-        _check_seq_len(a, AutoConfig.from_pretrained(prepared.hf_dir))
-    except (OSError, ValueError) as e:
-        if isinstance(e, UsageError):
-            raise
+    try:  # a config transformers cannot read: the tokenizer is all this command needs
+        config = AutoConfig.from_pretrained(prepared.hf_dir)
+    except (OSError, ValueError):
+        config = None
+    if config is not None:
+        _check_seq_len(a, config)
     out = Path(a.data_dir or (Path(a.output_dir or "runs/" + prepared.name) / "data"))
     _check_not_in_ray_job_copy(out)
     meta = build_dataset(tok, a.data_name, out, a.seq_len, a.n_train_blocks, a.n_eval_blocks,
