@@ -234,6 +234,23 @@ def test_tensor_upgrades_malformed_before_any_work(spec, words, tmp_path):
     nothing_written(out)
 
 
+def test_run_says_before_any_work_when_it_will_not_score_wikitext(tmp_path, monkeypatch):
+    """Without --eval_text and ../shared/data/wikitext-2-raw-test.txt, ``voodoo run`` says at
+    the start (not after training) which text its final llama-perplexity table will score."""
+    from voodoo import cli
+    monkeypatch.setattr(cli, "_default_eval_text", lambda: None)
+    out = tmp_path / "out"
+    rc, _, err = run_cli(["run", "--model", str(tmp_path / "model-not-needed"),
+                          "--output_dir", str(out), *SMALL, "--n_eval_blocks", "4", "--ctx", "64",
+                          "--chunks", "4",
+                          "--tensor_upgrades", "[{"])
+    line = error_line(rc, err, "run")
+    assert "--tensor_upgrades" in line
+    notice = err.index("not WikiText-2")
+    assert "eval split of the calibration corpus" in err and notice < err.index(line), err
+    nothing_written(out)
+
+
 def test_tensor_upgrades_pattern_matches_nothing(tiny_fixed, tmp_path):  # noqa: F811
     out = tmp_path / "out"
     rc, _, err = run_cli(["train", "--model", str(tiny_fixed), "--output_dir", str(out),

@@ -624,7 +624,7 @@ def _print_recipe(gguf: Path, base_gguf: Path, imatrix) -> None:
         what = ("the same tensors" if not own else
                 f"the same types ({own} tensors then get llama-quantize's bytes, not this file's "
                 "error-feedback ones)")
-        print(f"{what} with stock llama-quantize (F32 base {base_gguf}):\n"
+        print(f"to make {what} with stock llama-quantize (F32 base {base_gguf}):\n"
               f"  {tool_command('llama-quantize')} {im}--tensor-type-file {tt} {base_gguf} "
               "out.gguf Q8_0")
 
@@ -1500,6 +1500,11 @@ def _train(argv, run_all=False):
     _check_inputs_early(a)
     if run_all:
         _check_eval_split_length(a)
+        if not a.eval_text and _default_eval_text() is None:
+            print("[voodoo] no --eval_text and no ../shared/data/wikitext-2-raw-test.txt: the "
+                  "final llama-perplexity table will score the held-out eval split of the "
+                  "calibration corpus (--data_name), not WikiText-2", file=sys.stderr,
+                  flush=True)
     from .bake import parse_tensor_upgrades
     rules = parse_tensor_upgrades(a.tensor_upgrades)  # malformed JSON / regex: fail now
     r = Run(a)
@@ -1780,7 +1785,8 @@ def _eval(argv):
     ap = ArgumentParser(
         formatter_class=HelpFormatter, prog="voodoo eval",
         description="with --gguf: llama-perplexity PPL, KLD and same-top-p of GGUF files "
-                    "against the unquantized base; with --assignment: torch PPL and "
+                    "against the model's reference (the source GGUF for a .gguf model, else its "
+                    "F32 base GGUF); with --assignment: torch PPL and "
                     "KL(teacher || student) of the baked student on the eval tokens")
     _model_flags(ap, "run folder (default: the --assignment's folder, else runs/<model name>)")
     _data_flags(ap)
