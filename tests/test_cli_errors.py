@@ -747,3 +747,49 @@ def test_relative_output_dir_in_a_ray_job_copy(tmp_path, monkeypatch):
             _out_dir(SimpleNamespace(output_dir=out))
     assert not (job / "runs").exists()
     assert _out_dir(SimpleNamespace(output_dir=str(tmp_path / "abs"))) == tmp_path / "abs"
+
+
+# ------------------------------------------------- cheap checks that run before any model loads
+@pytest.mark.parametrize("argv, words", [
+    (["serve", "--gguf", "x.gguf", "--stop_after", "0"], "--stop_after 0"),
+    (["serve", "--gguf", "x.gguf", "--stop_after", "-1"], "seconds > 0"),
+    (["serve", "--gguf", "x.gguf", "--ctx", "16"], "--ctx 16"),
+    (["chat", "--gguf", "x.gguf", "--ctx", "-5"], "at least 64 tokens"),
+    (["tune", "--num_samples", "0"], "--num_samples must be >= 1"),
+    (["tune", "--size_tolerance_range", "-1", "2"], "--size_tolerance_range"),
+    (["tune", "--size_weight_range", "0", "10"], "log-uniformly"),
+    (["train", "--match_size", "0"], "must be > 0"),
+])
+def test_bad_numbers_refused_before_any_work(argv, words, tmp_path):
+    """Numbers that can never work fail in the argument checks: one line, exit code 2, no
+    model loaded (the model path does not exist) and nothing written."""
+    out = tmp_path / "out"
+    extra = [] if argv[0] in ("serve", "chat") else [
+        "--model", str(tmp_path / "model-not-needed"), "--output_dir", str(out), *SMALL]
+    rc, _, err = run_cli([*argv, *extra])
+    line = error_line(rc, err, argv[0])
+    assert words in line, line
+    nothing_written(out)
+
+
+def test_imatrix_not_an_imatrix_refused_before_any_work(tmp_path):
+    """``--imatrix`` naming a text file fails before data, preflight and candidates."""
+    bad = tmp_path / "notes.txt"
+    bad.write_text("these are my notes, not an imatrix\n" * 20)
+    out = tmp_path / "out"
+    rc, _, err = run_cli(["run", "--model", str(tmp_path / "model-not-needed"), "--output_dir",
+                          str(out), *SMALL, "--imatrix", str(bad)])
+    line = error_line(rc, err, "run")
+    assert "--imatrix" in line and "neither a GGUF nor a legacy imatrix" in line, line
+    nothing_written(out)
+
+
+def test_dashed_flag_names_the_underscore_one(tmp_path):
+    """``--output-dir`` (llama.cpp's spelling) is not a Voodoo flag: the error names
+    ``--output_dir``; a flag that is not Voodoo's in any spelling gets no such hint."""
+    rc, _, err = run_cli(["train", "--output-dir", str(tmp_path / "x")])
+    line = error_line(rc, err, "train")
+    assert "unrecognized arguments: --output-dir" in line and "underscores: --output_dir" in line
+    rc, _, err = run_cli(["train", "--no-such-flag", "1"])
+    line = error_line(rc, err, "train")
+    assert "--no-such-flag" in line and "underscores" not in line, line

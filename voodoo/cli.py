@@ -31,6 +31,16 @@ class ArgumentParser(argparse.ArgumentParser):
     listed, not the whole usage block first (Voodoo's commands have dozens of flags)."""
 
     def error(self, message):
+        import re
+        dashed = re.findall(r"--[a-z0-9]+(?:-[a-z0-9]+)+", message)
+        if message.startswith("unrecognized arguments") and dashed:
+            # Voodoo's flags are spelled with underscores (--output_dir), as llama.cpp's
+            # convert_hf_to_gguf.py is not; name the one meant
+            known = {o for a in self._actions for o in a.option_strings}
+            meant = [d.replace("-", "_").replace("__", "--", 1) for d in dashed]
+            meant = [m for m in meant if m in known]
+            if meant:
+                message += f" (Voodoo's flags use underscores: {', '.join(meant)})"
         self.exit(2, f"{self.prog}: error: {message} ({self.prog} -h lists the flags)\n")
 
 
@@ -163,8 +173,8 @@ def _menu_flags(ap, menus: bool = True):
                     help="calibration blocks behind the input Hessians of --rounding gptq "
                          "(the first N train blocks; at 16, as many as the imatrix, ffn_down's "
                          "K-quants overfit on held-out text: benchmarks/results/rounding). "
-                         "Default: the first 64 train blocks (all of them with 48 train "
-                         "blocks); export and eval take the --assignment's")
+                         "Default: the first min(64, --n_train_blocks) train blocks; export "
+                         "and eval take the --assignment's")
 
 
 def _budget_flags(ap):
@@ -192,6 +202,7 @@ def _train_flags(ap):
     ap.add_argument("--base_checkpoint", default=None,
                     help="HF folder of the base weights (default: the prepared model)")
     ap.add_argument("--teacher_quant", default="BF16", choices=["BF16", "Q8_0", "F32"],
+                    type=str.upper,
                     help="the teacher: the base weights rounded to this type")
     ap.add_argument("--skip_preflight", action="store_true",
                     help="go on even when llama.cpp's logits on the F32 GGUF disagree with "
@@ -373,6 +384,16 @@ def _check_inputs_early(a) -> None:
             check_source(a.data_name)
         except DatasetError as e:
             raise UsageError(str(e)) from None
+    imatrix = getattr(a, "imatrix", None)
+    if imatrix and Path(imatrix).expanduser().is_file():
+        # not an imatrix file: refused now, not after data and preflight (a missing one is
+        # refused where the model's inputs are checked)
+        from .imatrix import ImatrixError, read_imatrix_raw
+        try:
+            read_imatrix_raw(os.path.expanduser(imatrix))
+        except ImatrixError as e:
+            raise UsageError(f"--imatrix: {e} (make one with llama-imatrix, or leave --imatrix "
+                             "out and Voodoo computes it from the calibration blocks)") from None
     from .pipeline import parse_types
     for flag in ("candidate_types", "attention_candidates", "non_attention_candidates"):
         v = getattr(a, flag, None)
@@ -421,8 +442,8 @@ def _check_inputs_early(a) -> None:
         top = max(quants.qtype(t).bpw for t in named + ["Q8_0", "F16"])
         if bits > top:
             raise UsageError(f"--target_bits {bits:g}: more bits per weight than any type a "
-                             f"tensor can get here ({top:g}); most models top out at 8.5 "
-                             "(Q8_0): give at most that")
+                             f"tensor can get here ({top:g}): give at most {top:g} (on most "
+                             "models 8.5, Q8_0)")
     ratio = getattr(a, "compression_ratio", None)
     if ratio is not None and ratio > 1.0:
         if max(quants.qtype(t).bpw for t in named + ["Q8_0"]) <= quants.qtype("Q8_0").bpw:
@@ -494,6 +515,9 @@ def _match_size_target(value) -> int | str:
     type (its upper-case name). Raises UsageError for anything else."""
     t = str(value).strip()
     if t.replace("_", "").isdigit():
+        if int(t.replace("_", "")) < 1:
+            raise UsageError(f"--match_size {t!r}: a file size in bytes must be > 0 (or give a "
+                             "llama.cpp file type, e.g. Q4_K_M)")
         return int(t.replace("_", ""))
     from .quants import FTYPE_NOMINAL_BPW
     if t.upper() not in FTYPE_NOMINAL_BPW:
@@ -1442,7 +1466,8 @@ def _data(argv):
 def _make_teacher(argv):
     ap = ArgumentParser(
         formatter_class=HelpFormatter, prog="voodoo make-teacher",
-        description="write the BF16 base checkpoint and the Q8_0 teacher")
+        description="write the BF16 base checkpoint and the Q8_0 teacher to "
+                    "<output_dir>/teacher/{bf16,q8_0}")
     _model_flags(ap)
     a = ap.parse_args(argv)
     import torch
@@ -1481,7 +1506,11 @@ def _precache(argv):
 def _train(argv, run_all=False):
     ap = ArgumentParser(
         formatter_class=HelpFormatter, prog="voodoo run" if run_all else "voodoo train",
-        description="gate training (and, for run, everything else)")
+        description=("the main job: data, imatrix, candidates, gate training, bake, the GGUF "
+                     "and the llama-perplexity table against stock llama.cpp types" if run_all
+                     else "train the gates (data, imatrix and candidates first when missing) "
+                          "and bake them into <name>.assignment.json (voodoo export writes the "
+                          "GGUF)"))
     _model_flags(ap)
     _data_flags(ap)
     _menu_flags(ap)
@@ -1796,6 +1825,7 @@ def _eval(argv):
     ap.add_argument("--assignment", default=None,
                     help="<name>.assignment.json: evaluate the baked student in torch")
     ap.add_argument("--teacher_quant", default="BF16", choices=["BF16", "Q8_0", "F32"],
+                    type=str.upper,
                     help="with --assignment: the teacher (the base weights rounded to this "
                          "type) that the student's KL is measured against")
     ap.add_argument("--report", default=None, help="write report.json/.md here")
@@ -1974,6 +2004,16 @@ def _tune(argv):
                            ("lr_range", a.lr_range or (1, 2))):
         if not lo < hi:
             raise UsageError(f"--{flag}: LO must be below HI, got {lo} {hi}")
+        if flag != "size_tolerance_range" and not lo > 0:  # sampled log-uniformly
+            raise UsageError(f"--{flag}: sampled log-uniformly, so LO must be > 0, got {lo}")
+        if flag == "size_tolerance_range" and not 0 <= lo:
+            raise UsageError(f"--{flag}: a tolerance is a fraction of the budget >= 0, got {lo}")
+    for flag in ("num_samples", "max_concurrent_trials"):
+        if getattr(a, flag) < 1:
+            raise UsageError(f"--{flag} must be >= 1, got {getattr(a, flag)}")
+    for flag in ("cpus_per_trial", "gpus_per_trial"):
+        if not getattr(a, flag) >= 0:
+            raise UsageError(f"--{flag} must be >= 0, got {getattr(a, flag)}")
     from .bake import parse_tensor_upgrades
     rules = parse_tensor_upgrades(a.tensor_upgrades)
     r = Run(a)
@@ -2046,6 +2086,7 @@ def _chat(argv):
     ap.add_argument("--threads", type=int, default=None,
                     help="CPU threads (default: llama.cpp's choice)")
     a = ap.parse_args(argv)
+    _check_ctx(a.ctx)
     _check_model_gguf(a.gguf)
     if a.n_predict < 1:
         raise UsageError(f"--n_predict must be >= 1, got {a.n_predict}")
@@ -2053,6 +2094,18 @@ def _chat(argv):
     from .chat import side_by_side
     side_by_side(a.gguf, a.prompt, ref, n_predict=a.n_predict, ctx=a.ctx, threads=a.threads)
     return 0
+
+
+#: the smallest --ctx chat and serve accept: a chat template's prompt alone takes tens of tokens,
+#: and below that llama.cpp fails mid-prompt with its own log ("failed to add token")
+MIN_CHAT_CTX = 64
+
+
+def _check_ctx(ctx: int) -> None:
+    """``--ctx`` of chat/serve: at least :data:`MIN_CHAT_CTX` tokens. Raises UsageError."""
+    if ctx < MIN_CHAT_CTX:
+        raise UsageError(f"--ctx {ctx}: the prompt and the answer share the context; give at "
+                         f"least {MIN_CHAT_CTX} tokens (default 2048)")
 
 
 def _reference_of(a) -> Path:
@@ -2103,6 +2156,10 @@ def _serve(argv):
     a = ap.parse_args(argv)
     if not 1 <= a.port <= 65535:
         raise UsageError(f"--port {a.port}: a TCP port is 1 to 65535")
+    if a.stop_after is not None and not (a.stop_after > 0 and math.isfinite(a.stop_after)):
+        raise UsageError(f"--stop_after {a.stop_after:g}: give a number of seconds > 0, or "
+                         "leave it out to serve until Ctrl-C")
+    _check_ctx(a.ctx)
     _check_model_gguf(a.gguf)
     import tempfile
     import time as _time
@@ -2114,7 +2171,8 @@ def _serve(argv):
         srv.start()
         print(f"serving {Path(a.gguf).name} at {srv.url} (OpenAI API: {srv.url}/v1; "
               f"llama-server log: {srv.log}); "
-              + (f"stopping after {a.stop_after:g} s" if a.stop_after else "Ctrl-C stops it"),
+              + ("Ctrl-C stops it" if a.stop_after is None else
+                 f"stopping after {a.stop_after:g} s"),
               flush=True)
         t_end = None if a.stop_after is None else _time.monotonic() + a.stop_after
         while srv.proc.poll() is None and (t_end is None or _time.monotonic() < t_end):
@@ -2198,9 +2256,12 @@ def main(argv: list[str] | None = None) -> int:
             raise
         # every output is written to a temporary name and renamed when complete, and the
         # training journal is saved atomically: nothing half-written is left at a final name
-        print(f"voodoo {argv[0]}: {'terminated (SIGTERM)' if term['got'] else 'interrupted'}; "
-              "nothing half-written was left (rerun the same command to continue)",
-              file=sys.stderr)
+        how = "terminated (SIGTERM)" if term["got"] else "interrupted"
+        if argv[0] in ("serve", "chat", "doctor"):
+            print(f"voodoo {argv[0]}: {how}", file=sys.stderr)
+        else:
+            print(f"voodoo {argv[0]}: {how}; nothing half-written was left (rerun the same "
+                  "command to continue)", file=sys.stderr)
         return 143 if term["got"] else 130
     finally:
         warnings.formatwarning = old_format
