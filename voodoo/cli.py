@@ -1828,7 +1828,9 @@ def _eval(argv):
                     type=str.upper,
                     help="with --assignment: the teacher (the base weights rounded to this "
                          "type) that the student's KL is measured against")
-    ap.add_argument("--report", default=None, help="write report.json/.md here")
+    ap.add_argument("--report", default=None,
+                    help="write the table as REPORT.json and REPORT.md (a path without suffix, "
+                         "e.g. runs/x/eval/report)")
     data_defaults = _run_data_defaults(ap)  # None: not given (see below)
     a = ap.parse_args(argv)
     if not a.gguf and not a.assignment:
@@ -2140,7 +2142,9 @@ def _serve(argv):
         description="serve a GGUF with llama-server on 127.0.0.1 (OpenAI-compatible "
                     "/v1/chat/completions and /v1/completions, llama.cpp's /completion); "
                     "Ctrl-C stops it",
-        epilog="Needs llama-server (`voodoo bootstrap`). The web UI is not built; use the "
+        epilog="Needs llama-server (`voodoo bootstrap`). Its log goes to "
+               "<tmp>/llama-server-<port>.log (the path is printed). The web UI is not built; "
+               "use the "
                "HTTP API, e.g. curl http://127.0.0.1:8080/v1/chat/completions -d "
                "'{\"messages\": [{\"role\": \"user\", \"content\": \"Hi\"}]}'")
     ap.add_argument("--gguf", required=True, help="the GGUF to serve")
