@@ -37,7 +37,7 @@ class ArgumentParser(argparse.ArgumentParser):
             # Voodoo's flags are spelled with underscores (--output_dir), as llama.cpp's
             # convert_hf_to_gguf.py is not; name the one meant
             known = {o for a in self._actions for o in a.option_strings}
-            meant = [d.replace("-", "_").replace("__", "--", 1) for d in dashed]
+            meant = ["--" + d[2:].replace("-", "_") for d in dashed]
             meant = [m for m in meant if m in known]
             if meant:
                 message += f" (Voodoo's flags use underscores: {', '.join(meant)})"
@@ -281,8 +281,10 @@ def _ray_flags(ap):
 
 
 def _check_train_numbers(a) -> None:
-    """Numbers TrainConfig would reject later, checked before any expensive stage."""
-    for k in ("fisher_blocks", "max_steps", "batch_size", "partial_save_interval"):
+    """Numbers TrainConfig (and, for tune, Ray Tune) would reject later, checked before any
+    expensive stage."""
+    for k in ("fisher_blocks", "max_steps", "batch_size", "partial_save_interval",
+              "num_samples", "max_concurrent_trials"):
         v = getattr(a, k, None)
         if v is not None and v < 1:
             raise UsageError(f"--{k} must be >= 1, got {v}")
@@ -2010,9 +2012,6 @@ def _tune(argv):
             raise UsageError(f"--{flag}: sampled log-uniformly, so LO must be > 0, got {lo}")
         if flag == "size_tolerance_range" and not 0 <= lo:
             raise UsageError(f"--{flag}: a tolerance is a fraction of the budget >= 0, got {lo}")
-    for flag in ("num_samples", "max_concurrent_trials"):
-        if getattr(a, flag) < 1:
-            raise UsageError(f"--{flag} must be >= 1, got {getattr(a, flag)}")
     for flag in ("cpus_per_trial", "gpus_per_trial"):
         if not getattr(a, flag) >= 0:
             raise UsageError(f"--{flag} must be >= 0, got {getattr(a, flag)}")
