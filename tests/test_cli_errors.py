@@ -150,7 +150,7 @@ def test_gguf_that_is_no_model(cmd, tmp_path):
     not_gguf = tmp_path / "notes.gguf"
     not_gguf.write_text("hello")
     rc, _, err = run_cli([cmd, "--gguf", str(not_gguf)])
-    assert "not a GGUF file" in error_line(rc, err, cmd)
+    assert "not a readable GGUF file" in error_line(rc, err, cmd)
 
 
 def _model_gguf(path, model=None):
@@ -759,6 +759,17 @@ def test_relative_output_dir_in_a_ray_job_copy(tmp_path, monkeypatch):
     (["tune", "--size_tolerance_range", "-1", "2"], "--size_tolerance_range"),
     (["tune", "--size_weight_range", "0", "10"], "log-uniformly"),
     (["train", "--match_size", "0"], "must be > 0"),
+    (["train", "--imatrix_blocks", "0"], "--imatrix_blocks: must be an integer >= 1"),
+    (["train", "--hessian_blocks", "-1"], "--hessian_blocks: must be an integer >= 1"),
+    (["train", "--n_train_blocks", "0"], "--n_train_blocks: must be an integer >= 1"),
+    (["train", "--seq_len", "1"], "--seq_len: must be an integer >= 2"),
+    (["train", "--seed", "-1"], "--seed: must be an integer >= 0"),
+    (["train", "--size_tolerance", "-1"], "--size_tolerance: must be a finite number >= 0"),
+    (["train", "--size_weight", "nan"], "--size_weight: must be a finite number >= 0"),
+    (["run", "--kl_weight", "-1"], "--kl_weight: must be a finite number >= 0"),
+    (["train", "--output_name", "../elsewhere/x"], "not a plain file name"),
+    (["train", "--ray", "--no_ray"], "contradict each other"),
+    (["chat", "--gguf", "x.gguf", "--threads", "0"], "--threads: must be an integer >= 1"),
 ])
 def test_bad_numbers_refused_before_any_work(argv, words, tmp_path):
     """Numbers that can never work fail in the argument checks: one line, exit code 2, no
@@ -793,3 +804,30 @@ def test_dashed_flag_names_the_underscore_one(tmp_path):
     rc, _, err = run_cli(["train", "--no-such-flag", "1"])
     line = error_line(rc, err, "train")
     assert "--no-such-flag" in line and "underscores" not in line, line
+
+
+def test_eval_text_read_only_as_far_as_the_check_needs(tmp_path):
+    """``run --eval_text``: a binary file is refused as not text, and a large corpus is read and
+    tokenized only as far as the length check needs (a 64 MB file is not read whole)."""
+    from types import SimpleNamespace
+
+    from voodoo.cli import UsageError, _check_eval_text_tokens, _perplexity_tokens_needed
+
+    seen = []
+
+    def tokenizer(text):
+        seen.append(len(text))
+        return SimpleNamespace(input_ids=text.split())
+
+    a = SimpleNamespace(eval_text=str(tmp_path / "bin.txt"), ctx=512, chunks=8)
+    Path(a.eval_text).write_bytes(b"GGUF\0\0\0\3" + bytes(4096))
+    with pytest.raises(UsageError, match="not a text file"):
+        _check_eval_text_tokens(a, tokenizer)
+    big = tmp_path / "big.txt"
+    with open(big, "w") as f:
+        for _ in range(64):
+            f.write("word " * (1 << 18))   # 1.25 MiB a write, 80 MiB in all
+    a.eval_text = str(big)
+    _check_eval_text_tokens(a, tokenizer)   # long enough: no error
+    need = _perplexity_tokens_needed(512, 8)
+    assert seen and max(seen) <= max(1 << 20, 32 * need) < big.stat().st_size // 10

@@ -142,8 +142,11 @@ def test_run_perplexity_errors(tmp_path, monkeypatch):
         ve.run_perplexity(model, text)
     (fails / "llama-perplexity").write_text(
         "#!/bin/sh\necho 'perplexity: you need at least 1024 tokens' >&2\nexit 0\n")
-    with pytest.raises(ve.PerplexityError, match="at least 1024 tokens"):
+    with pytest.raises(ve.PerplexityError, match="too short .* at least 1024 tokens"):
         ve.run_perplexity(model, text)
+    with pytest.raises(ve.PerplexityError, match="too short .* at least 1024 tokens"):
+        ve.run_perplexity(model, text, kl_base=model)
+    (fails / "llama-perplexity").write_text("#!/bin/sh\necho 'perplexity: done' >&2\nexit 0\n")
     with pytest.raises(ve.PerplexityError, match="no base logits"):
         ve.run_perplexity(model, text, kl_base=model)
 
@@ -182,3 +185,17 @@ def test_real_perplexity_and_kld(smol_gguf, wikitext_test, tmp_path, monkeypatch
     assert base["cached"] and base["path"] == k["kl_base"]
     same = ve.run_perplexity(smol_gguf, text, ctx=128, kl_base=base["path"], batch=128)
     assert abs(same["kld"]) < 1e-4 and same["same_top_p"] == 1.0
+
+
+def test_short_text_refusal_is_one_clear_line(tmp_path):
+    """llama-perplexity's own refusal of a text under 2*ctx tokens (tools/perplexity) becomes a
+    PerplexityError naming the text, the tokens needed and the fix; other output does not."""
+    from voodoo.evaluate import PerplexityError, _raise_if_too_short
+    text = tmp_path / "short.txt"
+    out = ("perplexity: tokenizing the input ..\n"
+           "perplexity: you need at least 1024 tokens to evaluate perplexity with a context of "
+           "512\n")
+    with pytest.raises(PerplexityError, match=r"short.txt is too short .* -c 512: it needs at "
+                                              r"least 1024 tokens; give a longer text"):
+        _raise_if_too_short(out, text, 512)
+    _raise_if_too_short("perplexity: calculating perplexity over 8 chunks\n", text, 512)

@@ -3,6 +3,8 @@ the same fields and tensors as the stock reader (speed: benchmarks/gguf_read.py)
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 from gguf import GGUFReader
@@ -33,6 +35,18 @@ def test_errors_are_gguf_pys(tmp_path):
     bad.write_bytes(b"NOPE" + bytes(64))
     with pytest.raises(ValueError):
         read_gguf(bad)
+
+
+@pytest.mark.parametrize("keep", [0.001, 0.5, 0.999])
+def test_a_truncated_file_is_named_truncated(tiny_prepared, tmp_path, keep):
+    """An interrupted copy (the header intact, the metadata or the tensor data cut off) gets a
+    ValueError that says the file is truncated and to copy it again, at any cut."""
+    raw = Path(tiny_prepared.base_gguf).read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(raw[:max(64, int(len(raw) * keep))])
+    with pytest.raises(ValueError, match="truncated") as e:
+        read_gguf(cut)
+    assert "copy or download it again" in str(e.value)
 
 
 def test_an_unchanged_file_is_parsed_once_a_rewritten_one_again(tiny_prepared, tmp_path):

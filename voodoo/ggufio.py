@@ -19,6 +19,8 @@ from gguf import GGUFReader
 
 __all__ = ["read_gguf", "CACHE_SIZE"]
 
+GGUF_MAGIC = b"GGUF"
+
 #: read-only readers kept for files read again unchanged (a SmolLM2-vocabulary reader holds
 #: ~2M small numpy views, ~0.2 GB)
 CACHE_SIZE = 2
@@ -43,18 +45,41 @@ def read_gguf(path: str | os.PathLike, mode: str = "r") -> GGUFReader:
     Returns a ``GGUFReader`` (``fields``, ``tensors``, ``get_field`` as in gguf-py); tensor
     ``data`` arrays are read-only views of the mapped file. With ``mode="r"`` the reader may be
     one returned before for the same unchanged file (treat it as read-only; a file replaced or
-    rewritten since is parsed again). Raises what ``GGUFReader`` raises (``FileNotFoundError``;
-    ``ValueError`` for a file that is not GGUF)."""
+    rewritten since is parsed again). Raises ``FileNotFoundError``; ``ValueError`` for a file
+    that is not GGUF, or one whose header is GGUF but whose metadata or tensor data end past
+    the file (truncated or damaged: the message says so and gives the file's size)."""
     path = os.fspath(path)
     if mode != "r":
-        return _Reader(path, mode)
+        return _open(path, mode)
     st = os.stat(path)
     key = (os.path.realpath(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
     r = _CACHE.get(key)
     if r is None:
-        r = _Reader(path, mode)
+        r = _open(path, mode)
         _CACHE[key] = r
         while len(_CACHE) > CACHE_SIZE:
             _CACHE.popitem(last=False)
     _CACHE.move_to_end(key)
+    return r
+
+
+def _open(path: str, mode: str) -> GGUFReader:
+    """``_Reader(path, mode)``; a file that starts as GGUF but cannot be parsed to its end (an
+    interrupted download or copy) gets a ValueError that says so, not numpy's reshape error."""
+    try:
+        r = _Reader(path, mode)
+    except (ValueError, IndexError, OverflowError, MemoryError) as e:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+        if magic != GGUF_MAGIC:
+            raise
+        size = os.path.getsize(path)
+        raise ValueError(f"{path}: a GGUF header, but the file is truncated or damaged "
+                         f"({size:,} bytes; the metadata or tensor data it declares do not "
+                         f"fit: {e}); copy or download it again") from None
+    end = max((int(t.data_offset) + int(t.n_bytes) for t in r.tensors), default=0)
+    size = os.path.getsize(path)
+    if end > size:
+        raise ValueError(f"{path}: truncated GGUF ({size:,} of at least {end:,} bytes); copy "
+                         "or download it again")
     return r

@@ -591,6 +591,17 @@ def convert_hf_to_f32_gguf(hf_dir: str | os.PathLike, out: str | os.PathLike,
     if r.returncode:
         Path(tmp).unlink(missing_ok=True)
         raise ModelPreparationError(_converter_reason(hf_dir, r.stdout))
+    from .ggufio import read_gguf
+    try:
+        n_tensors = len(read_gguf(tmp).tensors)
+    except (OSError, ValueError):
+        n_tensors = 0
+    if not n_tensors:  # e.g. a folder whose weight files are missing: nothing to quantize
+        Path(tmp).unlink(missing_ok=True)
+        raise ModelPreparationError(
+            f"llama.cpp's convert_hf_to_gguf.py wrote no tensors for {hf_dir}: the folder has "
+            "no readable weights (model.safetensors, model-*.safetensors with its index, or "
+            "pytorch_model.bin); copy them beside config.json")
     os.replace(tmp, out)
     return out
 
