@@ -384,9 +384,17 @@ def _check_eval_models(a) -> None:
     if not getattr(a, "assignment", None):
         missing = [g for g, m in ids.items() if m is None]
         if missing:
+            hint = ""
+            for g, m in ids.items():   # a Voodoo file beside it: its model is likely the one
+                if m is not None:
+                    from .export import find_model, find_reference
+                    found = find_model(m) or find_reference(m)
+                    if found:
+                        hint = f" (e.g. --model {found}, the model {Path(g).name} records)"
+                        break
             raise UsageError(f"{Path(missing[0]).name} records no voodoo.model (not written by "
-                             "Voodoo?); pass --model with the model it was made from: its KLD "
-                             "is measured against that model's reference")
+                             "Voodoo?); pass --model with the model it was made from" + hint +
+                             ": its KLD is measured against that model's reference")
     models = {}
     for g, m in ids.items():
         if m is not None:
