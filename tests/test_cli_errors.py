@@ -768,7 +768,6 @@ def test_relative_output_dir_in_a_ray_job_copy(tmp_path, monkeypatch):
     (["train", "--size_weight", "nan"], "--size_weight: must be a finite number >= 0"),
     (["run", "--kl_weight", "-1"], "--kl_weight: must be a finite number >= 0"),
     (["train", "--output_name", "../elsewhere/x"], "not a plain file name"),
-    (["train", "--ray", "--no_ray"], "contradict each other"),
     (["chat", "--gguf", "x.gguf", "--threads", "0"], "--threads: must be an integer >= 1"),
 ])
 def test_bad_numbers_refused_before_any_work(argv, words, tmp_path):

@@ -200,7 +200,8 @@ def _menu_flags(ap, menus: bool = True):
                          "$VOODOO_CACHE/candidates); the prepared models, Fisher and KLD "
                          "caches move only with $VOODOO_CACHE")
     ap.add_argument("--no_ray", action="store_true",
-                    help="quantize candidates in this process instead of Ray actors")
+                    help="quantize candidates in this process instead of Ray actors (only "
+                         "the candidates: with --ray, gate training still runs in Ray Train)")
     ap.add_argument("--rounding", choices=["ggml", "gptq", "auto"], default=None,
                     help="candidate bytes: 'ggml' = llama-quantize's own (the tensor-type file "
                          "reproduces the export); 'gptq' = error-feedback rounding with each "
@@ -586,10 +587,7 @@ def _match_size_target(value) -> int | str:
 
 
 def _check_ray_flags(a) -> None:
-    """Ray-only flags without --ray fail before any work; --ray with --no_ray too."""
-    if getattr(a, "ray", False) and getattr(a, "no_ray", False):
-        raise UsageError("--ray (gate training in Ray Train) and --no_ray (no Ray: candidates "
-                         "quantized in this process) contradict each other; give one")
+    """Ray-only flags without --ray fail before any work."""
     if getattr(a, "ray", False):
         if a.tensor_parallel < 1:
             raise UsageError(f"--tensor_parallel must be >= 1, got {a.tensor_parallel}")
