@@ -1826,9 +1826,8 @@ def _check_assignment_imatrix(a, asg, r) -> None:
             f"{a.assignment} was trained with another imatrix (sha256 {want[:12]}…) than {im} "
             f"(sha256 {have[:12]}…); pass --imatrix with the one it was trained with (its run "
             "folder's imatrix.gguf, if it was kept)"
-            + ("" if own else ", or leave out --output_dir to work in the assignment's own "
-               "folder")
-            + (", or train again in this folder" if own else ""))
+            + (", or train again in this folder" if own else
+               ", or leave out --output_dir to work in the assignment's own folder"))
 
 
 def _export(argv):
