@@ -580,10 +580,13 @@ def _match_size_target(value) -> int | str:
             raise UsageError(f"--match_size {t!r}: a file size in bytes must be > 0 (or give a "
                              "llama.cpp file type, e.g. Q4_K_M)")
         return int(t.replace("_", ""))
+    # the file types llama-quantize takes by name (as --stock_types), else the built-in table
+    from .llamacpp import quantize_ftypes
     from .quants import FTYPE_NOMINAL_BPW
-    if t.upper() not in FTYPE_NOMINAL_BPW:
+    known = [k for k in (quantize_ftypes() or sorted(FTYPE_NOMINAL_BPW)) if k != "COPY"]
+    if t.upper() not in known:
         raise UsageError(f"--match_size {t!r}: give a number of bytes or a llama.cpp "
-                         f"file type ({', '.join(sorted(FTYPE_NOMINAL_BPW))})")
+                         f"file type ({', '.join(known)})")
     return t.upper()
 
 

@@ -476,8 +476,8 @@ def bootstrap(lib_only: bool = False, force: bool = False) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import argparse
-    ap = argparse.ArgumentParser(
+    from .cli import ArgumentParser  # one-line errors that point at -h, as every command's
+    ap = ArgumentParser(
         prog="voodoo bootstrap", description=__doc__.split("\n")[0],
         epilog=f"Builds into {build_root()} (VOODOO_CACHE moves it). On 2 idle cores: "
                "libggml-base about 20 s; llama-quantize, llama-perplexity and llama-imatrix "
