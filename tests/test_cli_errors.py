@@ -473,8 +473,9 @@ def test_export_uses_the_assignments_folder_and_refuses_another_imatrix(
     """`voodoo export --assignment A` without --output_dir works in A's folder (its data and
     imatrix; it used to make data and an imatrix anew in runs/<model>/ of the working folder),
     and keeps A's imatrix even when the calibration flags differ. Pointed at another folder
-    whose imatrix is not the one A was trained with, it refuses in one line (it used to write
-    a GGUF of other bytes than the gates chose between, silently)."""
+    without the imatrix A was trained with, it refuses in one line (it used to write
+    a GGUF of other bytes than the gates chose between, silently); pointed at another folder
+    while its own folder still holds that imatrix, it takes that one."""
     out = tmp_path / "run"
     rc, _, err = run_cli(["train", "--model", str(tiny_fixed), "--output_dir", str(out),
                           *SMALL])
@@ -489,12 +490,21 @@ def test_export_uses_the_assignments_folder_and_refuses_another_imatrix(
     assert (out / asg.name.replace(".assignment.json", ".gguf")).is_file(), stdout
     assert not (elsewhere / "runs").exists()
     assert (out / "imatrix.gguf").read_bytes() == imatrix        # neither rebuilt nor replaced
+    # another --output_dir: the assignment's own folder still holds its imatrix, which is taken
     other = tmp_path / "other"
-    rc, _, err = run_cli(["export", "--assignment", str(asg), "--output_dir", str(other),
+    rc, stdout, err = run_cli(["export", "--assignment", str(asg), "--output_dir", str(other),
+                               *SMALL[:6], "--imatrix_blocks", "2"])
+    assert rc == 0, err[-3000:]
+    assert (other / asg.name.replace(".assignment.json", ".gguf")).is_file(), stdout
+    assert not (other / "imatrix.gguf").exists()
+    # ... and once that one is gone, the fresh imatrix of other calibration flags is refused
+    (out / "imatrix.gguf").unlink()
+    third = tmp_path / "third"
+    rc, _, err = run_cli(["export", "--assignment", str(asg), "--output_dir", str(third),
                           *SMALL[:6], "--imatrix_blocks", "2"])
     line = error_line(rc, err, "export")
     assert "trained with another imatrix" in line and "--imatrix" in line
-    assert not list(other.glob("*.Voodoo*.gguf"))
+    assert not list(third.glob("*.Voodoo*.gguf"))
 
 
 def test_ray_student_factory_paths_are_absolute(tmp_path, monkeypatch):

@@ -1806,13 +1806,17 @@ def _use_assignment_rounding(a, asg, r=None) -> None:
 def _use_assignment_imatrix(a, asg, r) -> None:
     """Without ``--imatrix``: the run folder's ``imatrix.gguf`` when it is the very file the
     assignment was trained with (sha256 in its provenance), whatever the calibration flags say,
-    so it is neither rebuilt nor replaced."""
+    so it is neither rebuilt nor replaced; else the assignment's own folder's, when that one
+    is (an export into another --output_dir)."""
     want = (asg.get("provenance") or {}).get("imatrix")
-    here = r.out / "imatrix.gguf"
-    if a.imatrix is None and want and here.is_file():
-        from .provenance import file_sha256
-        if file_sha256(here) == want:
+    if a.imatrix is not None or not want:
+        return
+    from .provenance import file_sha256
+    for here in dict.fromkeys([r.out / "imatrix.gguf",
+                               Path(a.assignment).resolve().parent / "imatrix.gguf"]):
+        if here.is_file() and file_sha256(here) == want:
             a.imatrix = str(here)
+            return
 
 
 def _check_assignment_imatrix(a, asg, r) -> None:
