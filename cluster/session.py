@@ -104,6 +104,46 @@ def ensure_ray(**init_kwargs) -> bool:
     return True
 
 
+def check_address() -> None:
+    """``RAY_ADDRESS=host:port`` (a GCS address, as ``ray start --head`` prints) where nothing
+    answers: ``ray.init`` would retry forever, after every expensive stage. Checked with one TCP
+    connect (5 s). Raises ConnectionError naming the address and the way out; an ``http://``
+    (job server), ``auto`` or ``local`` address is left to Ray."""
+    import socket
+    addr = os.environ.get("RAY_ADDRESS", "").strip()
+    if not addr or "://" in addr or addr in ("auto", "local"):
+        return
+    host, _, port = addr.rpartition(":")
+    if not host or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host, int(port)), timeout=5).close()
+    except OSError as e:
+        raise ConnectionError(f"RAY_ADDRESS={addr}: no Ray cluster answers there ({e}); start "
+                              "one (`ray start --head`) or fix RAY_ADDRESS, or unset it to "
+                              "run on a local Ray") from None
+
+
+def check_feasible(need: dict, what: str, fix: str) -> None:
+    """Refuses a per-worker (or per-trial) resource request that no alive node of the connected
+    cluster can ever hold: Ray would wait for it forever, printing 'infeasible' warnings.
+    ``need``: e.g. ``{"CPU": 4, "GPU": 1}`` (zero entries ignored); ``what``: e.g. "one Ray
+    Train worker"; ``fix``: the flags to change. ``VOODOO_ALLOW_PENDING=1`` skips the check
+    (an autoscaling cluster that adds such nodes on demand). Raises ValueError."""
+    import ray
+    need = {k: float(v) for k, v in need.items() if v}
+    if not need or os.environ.get("VOODOO_ALLOW_PENDING"):
+        return
+    nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
+    if not nodes or any(all(n.get(k, 0) >= v for k, v in need.items()) for n in nodes):
+        return
+    best = {k: max(n.get(k, 0) for n in nodes) for k in need}
+    raise ValueError(f"{what} needs {', '.join(f'{k} {v:g}' for k, v in need.items())}, and no "
+                     f"node of this Ray cluster has that (the most on one node: "
+                     f"{', '.join(f'{k} {v:g}' for k, v in best.items())}); {fix}, or add "
+                     "such a node (an autoscaling cluster: VOODOO_ALLOW_PENDING=1 waits for it)")
+
+
 def watch(pid: int, interval: float = 0.2, grace: float = 3.0) -> int:
     """Follows the process tree of ``pid`` until ``pid`` ends, then stops what was last seen in
     it (SIGTERM, SIGKILL after ``grace`` seconds). Returns the number of processes stopped."""

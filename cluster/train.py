@@ -921,8 +921,13 @@ def run_training(factory: Callable[[WorkerInfo], StudentJob], cfg: TrainConfig, 
     storage = os.path.abspath(os.path.expanduser(str(storage_path or "~/ray_results")))
     devices = parse_device_map(device_map)
     if num_workers > 0:
-        from cluster.session import ensure_ray
+        from cluster.session import check_feasible, ensure_ray
         ensure_ray()  # a local Ray started here ends with this process (cluster.session)
+        need = dict(resources_per_worker or {})
+        if use_gpu:
+            need.setdefault("GPU", 1)
+        check_feasible(need, "one Ray Train worker",
+                       "lower --cpus_per_worker (or leave out --use_gpu)")
     if shared is not None and num_workers > 0:
         import ray
         shared = ray.put(shared)
@@ -947,8 +952,16 @@ def run_training(factory: Callable[[WorkerInfo], StudentJob], cfg: TrainConfig, 
                                scaling_config=scaling, run_config=run_config)
     run_dir = loop_config["run_dir"]
     _forget_pruned_in_ray_snapshot(run_dir)
+    import signal
+    import threading
+    main_thread = threading.current_thread() is threading.main_thread()
+    old_sigint = signal.getsignal(signal.SIGINT) if main_thread else None
     try:
         result = trainer.fit()
+    except SystemExit:
+        # Ray Train's SIGINT handler aborts the run and calls sys.exit() inside fit(); to the
+        # caller this is a Ctrl-C (the CLI then says how to resume), not a silent exit 1
+        raise KeyboardInterrupt from None
     except TrainingFailedError as e:
         fails = dict(getattr(e, "worker_failures", None) or {})
         terminal = [fails[r] for r in sorted(fails) if is_terminal_error(fails[r])]
@@ -956,11 +969,22 @@ def run_training(factory: Callable[[WorkerInfo], StudentJob], cfg: TrainConfig, 
             raise terminal[0] from None  # the worker's own error: bad input, not Ray's
         raise _failure_message(e, run_name, run_dir, max_failures, cfg.max_steps,
                                resume_command) from e
+    finally:
+        if old_sigint is not None:  # fit() left Ray's handler installed
+            signal.signal(signal.SIGINT, old_sigint)
     found = newest_checkpoint(run_dir)
     if found is None:
         raise RuntimeError(f"run {run_name} finished without a complete checkpoint in "
                            f"{run_dir}")
     st = load_checkpoint_state(found[0])
+    mine, theirs = cfg.to_dict(), dict(st["config"])
+    diff = sorted(k for k in set(mine) | set(theirs)
+                  if k not in _RESUME_FREE and mine.get(k) != theirs.get(k))
+    if diff:
+        # another run wrote into this run folder meanwhile: never bake its gates as ours
+        raise RuntimeError(f"the newest checkpoint in {run_dir} ({found[0]}) is another run's "
+                           f"(differs in {diff}): two runs share the run "
+                           "name; give each its own --run_name or --output_dir")
     path = str(found[0])
     return RunResult(gates=st["gates"], step=int(st["step"]),
                      finished=int(st["step"]) >= cfg.max_steps,

@@ -218,8 +218,10 @@ def run_sweep(factory: Callable[[WorkerInfo], StudentJob], cfg: TrainConfig, *,
     from ray import tune
     from ray.tune.schedulers import ASHAScheduler
 
-    from cluster.session import ensure_ray
+    from cluster.session import check_feasible, ensure_ray
     ensure_ray()
+    check_feasible({"CPU": cpus_per_trial, "GPU": gpus_per_trial}, "one Ray Tune trial",
+                   "lower --cpus_per_trial / --gpus_per_trial")
     os.environ.setdefault("TUNE_GLOBAL_CHECKPOINT_S", "2")
     space = {"size_weight": tune.loguniform(*size_weight),
              "size_tolerance": tune.uniform(*size_tolerance)}

@@ -840,3 +840,75 @@ def test_eval_text_read_only_as_far_as_the_check_needs(tmp_path):
     _check_eval_text_tokens(a, tokenizer)   # long enough: no error
     need = _perplexity_tokens_needed(512, 8)
     assert seen and max(seen) <= max(1 << 20, 32 * need) < big.stat().st_size // 10
+
+
+# ------------------------------------------------------------------------------ Ray guards
+def test_a_run_folder_in_use_is_refused(tiny_fixed, tmp_path):  # noqa: F811
+    """Two training commands in one run folder shared its journal, imatrix and Ray run name; two
+    `train --ray` runs there once baked one run's gates as the other's (exit 0, a Voodoo50
+    file from a 0.6 run). The folder is now locked while a command trains in it; the second
+    is refused in one line naming the holder, and the lock goes with the first command."""
+    out = tmp_path / "run"
+    out.mkdir()
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from pathlib import Path; "
+         "from voodoo.cli import _lock_run_folder; _lock_run_folder(Path(sys.argv[1]), 'train');"
+         " print('locked', flush=True); time.sleep(600)", str(out)],
+        stdout=subprocess.PIPE, text=True, cwd=REPO)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        rc, _, err = run_cli(["train", "--model", str(tiny_fixed), "--output_dir", str(out),
+                              *SMALL])
+        line = error_line(rc, err)
+        assert f"{out} is in use by another Voodoo run" in line and str(holder.pid) in line
+        assert "--output_dir" in line
+        assert not (out / "data").exists()
+    finally:
+        holder.kill()
+        holder.wait()
+    rc, _, err = run_cli(["train", "--model", str(tiny_fixed), "--output_dir", str(out),
+                          *SMALL])
+    assert rc == 0, err[-3000:]
+    assert not (out / ".voodoo.lock").exists()
+
+
+def test_a_ray_address_where_nothing_answers_is_refused_first(tiny_fixed, tmp_path,  # noqa: F811
+                                                              monkeypatch):
+    """RAY_ADDRESS=host:port with no cluster there made `train --ray` run data, imatrix and
+    Fisher, then retry Ray's GCS connection forever. Now one line before any stage."""
+    import socket
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{port}")
+    out = tmp_path / "run"
+    for cmd in ("train", "tune"):
+        argv = [cmd, "--model", str(tiny_fixed), "--output_dir", str(out),
+                *[x for x in SMALL if x != "--no_ray"]]
+        rc, _, err = run_cli(argv + (["--ray"] if cmd == "train" else []))
+        line = error_line(rc, err, cmd)
+        assert f"RAY_ADDRESS=127.0.0.1:{port}" in line and "ray start --head" in line
+        nothing_written(out)
+
+
+def test_an_infeasible_worker_request_is_refused(monkeypatch):
+    """`--cpus_per_worker 4` (or `--cpus_per_trial 4`) on a cluster whose nodes have 2 CPUs made
+    Ray print 'infeasible' warnings forever. The request is checked against the alive nodes."""
+    import ray
+
+    from cluster.session import check_feasible
+    nodes = [{"Alive": True, "Resources": {"CPU": 2.0}},
+             {"Alive": False, "Resources": {"CPU": 8.0, "GPU": 1.0}},
+             {"Alive": True, "Resources": {"CPU": 1.0, "GPU": 1.0}}]
+    monkeypatch.setattr(ray, "nodes", lambda: nodes)
+    monkeypatch.delenv("VOODOO_ALLOW_PENDING", raising=False)
+    check_feasible({"CPU": 2}, "one Ray Train worker", "lower --cpus_per_worker")
+    check_feasible({"CPU": 1, "GPU": 1}, "one Ray Train worker", "lower --cpus_per_worker")
+    with pytest.raises(ValueError) as e:
+        check_feasible({"CPU": 4, "GPU": 0}, "one Ray Tune trial", "lower --cpus_per_trial")
+    assert "one Ray Tune trial needs CPU 4" in str(e.value)
+    assert "the most on one node: CPU 2" in str(e.value) and "--cpus_per_trial" in str(e.value)
+    with pytest.raises(ValueError, match="needs CPU 2, GPU 1"):  # no alive node has both
+        check_feasible({"CPU": 2, "GPU": 1}, "one Ray Train worker", "lower --cpus_per_worker")
+    monkeypatch.setenv("VOODOO_ALLOW_PENDING", "1")
+    check_feasible({"CPU": 4}, "one Ray Train worker", "lower --cpus_per_worker")

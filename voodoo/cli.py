@@ -591,8 +591,11 @@ def _match_size_target(value) -> int | str:
 
 
 def _check_ray_flags(a) -> None:
-    """Ray-only flags without --ray fail before any work."""
+    """Ray-only flags without --ray fail before any work; with --ray, a RAY_ADDRESS where no
+    cluster answers fails too (:func:`cluster.session.check_address`)."""
     if getattr(a, "ray", False):
+        from cluster.session import check_address
+        check_address()
         if a.tensor_parallel < 1:
             raise UsageError(f"--tensor_parallel must be >= 1, got {a.tensor_parallel}")
         return
@@ -616,6 +619,8 @@ def _ray_run_name(a, out: Path) -> str:
 
 
 def _ray_storage(a, out: Path) -> str:
+    if a.storage_path:  # Ray's temporary copy of a job's working dir would hold the checkpoints
+        _check_not_in_ray_job_copy(Path(os.path.expanduser(a.storage_path)), "--storage_path")
     return str(Path(os.path.expanduser(a.storage_path)).resolve() if a.storage_path
                else (Path(out) / "ray").resolve())
 
@@ -723,16 +728,51 @@ def _print_recipe(gguf: Path, base_gguf: Path, imatrix) -> None:
 _RAY_JOB_COPY = os.sep + os.path.join("runtime_resources", "working_dir_files") + os.sep
 
 
-def _check_not_in_ray_job_copy(d: Path) -> None:
-    """UsageError for a relative output folder of a job started by ``ray job submit
+def _check_not_in_ray_job_copy(d: Path, flag: str = "--output_dir") -> None:
+    """UsageError for a relative output folder (``flag``) of a job started by ``ray job submit
     --working-dir``: it would land in Ray's temporary copy of the working directory, where
     nobody looks and which goes with the Ray session."""
     cwd = os.getcwd()
     if not d.is_absolute() and _RAY_JOB_COPY in cwd + os.sep:
+        what = "output folder" if flag == "--output_dir" else f"{flag} folder"
         raise UsageError(f"this job runs in Ray's temporary copy of its --working-dir ({cwd}), "
-                         f"so the output folder {d} would be written there and lost with the "
-                         "Ray session; pass an absolute --output_dir (on shared storage when "
+                         f"so the {what} {d} would be written there and lost with the "
+                         f"Ray session; pass an absolute {flag} (on shared storage when "
                          "the cluster has several nodes)")
+
+
+def _lock_run_folder(out: Path, command: str) -> None:
+    """One training command at a time per run folder: an exclusive ``fcntl`` lock on
+    ``<out>/.voodoo.lock``, held until this process exits (the kernel drops it even on
+    SIGKILL). Two runs in one folder share its journal, imatrix and Ray run name, and one
+    could bake the other's gates. Raises UsageError naming the holder's pid."""
+    import fcntl
+    path = Path(out) / ".voodoo.lock"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
+        os.close(fd)
+        raise UsageError(f"{out} is in use by another Voodoo run ({holder}); wait for it to "
+                         "finish, or pass another --output_dir") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"voodoo {command}, pid {os.getpid()} on {os.uname().nodename}".encode(), 0)
+    _RUN_LOCKS.append((fd, path))  # locked until the command ends (main releases it)
+
+
+_RUN_LOCKS: list[tuple[int, Path]] = []
+
+
+def _release_run_folders() -> None:
+    """Drops the locks of :func:`_lock_run_folder` and removes their files."""
+    while _RUN_LOCKS:
+        fd, path = _RUN_LOCKS.pop()
+        try:
+            path.unlink()
+        except OSError:
+            pass
+        os.close(fd)
 
 
 def _out_dir(a, ctx=None) -> Path:
@@ -1610,6 +1650,7 @@ def _train(argv, run_all=False):
     if run_all and a.eval_text:
         _check_eval_text_tokens(a, r.ctx.tokenizer)
     _check_upgrade_patterns(rules, [s.gguf_name for s in r.ctx.specs])
+    _lock_run_folder(r.out, "run" if run_all else "train")
     r.menus_and_budget()  # an unreachable budget fails before data, imatrix and candidates
     _check_tp_early(r)  # a split that cuts quant blocks too (before precache and Fisher)
     _check_journal_early(r.out / "train", None if a.ray else r)
@@ -2075,6 +2116,8 @@ def _tune(argv):
     a = _parse_keeping_run_data(ap, argv)
     _check_train_numbers(a)
     _check_inputs_early(a)
+    from cluster.session import check_address
+    check_address()  # a RAY_ADDRESS where nothing answers: before data, imatrix, candidates
     for flag, (lo, hi) in (("size_weight_range", a.size_weight_range),
                            ("size_tolerance_range", a.size_tolerance_range),
                            ("lr_range", a.lr_range or (1, 2))):
@@ -2091,6 +2134,7 @@ def _tune(argv):
     rules = parse_tensor_upgrades(a.tensor_upgrades)
     r = Run(a)
     r.context()
+    _lock_run_folder(r.out, "tune")
     _check_upgrade_patterns(rules, [s.gguf_name for s in r.ctx.specs])
     r.menus_and_budget()
     r.data()
@@ -2344,6 +2388,7 @@ def main(argv: list[str] | None = None) -> int:
         warnings.formatwarning = old_format
         if old_term is not None:
             signal.signal(signal.SIGTERM, old_term)
+        _release_run_folders()  # the run folder's lock ends with the command
         if not ok and new_dir is not None:
             _remove_if_empty(new_dir)
 
