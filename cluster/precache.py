@@ -154,6 +154,9 @@ def n_quantize_workers(max_workers: int | None = None, resources=None) -> int:
         n = min(n, int(have // amount))
     env = os.environ.get("VOODOO_QUANT_WORKERS")
     if env:
+        if not env.strip().isdigit() or int(env) < 1:
+            raise ValueError(f"VOODOO_QUANT_WORKERS={env!r}: give a whole number >= 1 (the "
+                             "most quantization actors), or unset it for one per CPU")
         n = min(n, int(env))
     if max_workers is not None:
         n = min(n, int(max_workers))

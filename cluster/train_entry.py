@@ -64,7 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data_parallel", type=int, default=None)
     p.add_argument("--device_map", default=None, help='layer-wise split, "cuda:0,cuda:1"')
     p.add_argument("--cpus_per_worker", type=float, default=None)
-    p.add_argument("--run_name", default="voodoo-train")
+    p.add_argument("--run_name", default=None,
+                   help="Ray Train run name (default voodoo-train-<hash of the factory and the "
+                        "settings that a resume must match>: the same command resumes, other "
+                        "settings get their own run folder)")
     p.add_argument("--storage_path", default=None)
     p.add_argument("--max_failures", type=int, default=0)
     p.add_argument("--num_to_keep", type=int, default=2)
@@ -90,6 +93,21 @@ def load_factory(args):
     return obj(**json.loads(args.factory_kwargs))
 
 
+def default_run_name(args, cfg) -> str:
+    """``voodoo-train-<10 hex>``: a hash of the factory (``--toy`` / ``--factory``,
+    ``--factory_kwargs``) and the config fields a resume must match (all but
+    ``voodoo.train._RESUME_FREE``), so runs of other settings never share a run folder (a
+    shared one was refused at resume, under a name the user never chose)."""
+    import hashlib
+
+    from voodoo.train import _RESUME_FREE
+    key = {"factory": "toy" if args.toy else args.factory,
+           "factory_kwargs": json.loads(args.factory_kwargs),
+           "cfg": {k: v for k, v in cfg.to_dict().items() if k not in _RESUME_FREE}}
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()
+    return f"voodoo-train-{digest[:10]}"
+
+
 def main(argv: list[str] | None = None) -> int:
     """Parses ``argv``, trains, prints a one-line summary (and writes ``--output``)."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -107,6 +125,9 @@ def main(argv: list[str] | None = None) -> int:
         overrides["compression_ratio"] = None
     cfg = TrainConfig(**overrides)
     factory = load_factory(args)
+    if args.run_name is None:
+        args.run_name = default_run_name(args, cfg)
+        print(f"[voodoo train] run name {args.run_name}", file=sys.stderr, flush=True)
     num_workers = args.num_workers
     if num_workers is None:
         num_workers = 0 if "RANK" in os.environ else args.tensor_parallel * (args.data_parallel or 1)

@@ -912,3 +912,21 @@ def test_an_infeasible_worker_request_is_refused(monkeypatch):
         check_feasible({"CPU": 2, "GPU": 1}, "one Ray Train worker", "lower --cpus_per_worker")
     monkeypatch.setenv("VOODOO_ALLOW_PENDING", "1")
     check_feasible({"CPU": 4}, "one Ray Train worker", "lower --cpus_per_worker")
+
+
+def test_ray_run_names_of_two_folders_of_one_name_differ_on_shared_storage(tmp_path):
+    """Two output folders named alike (/x/r, /y/r) under one --storage_path shared the run name
+    voodoo-train-r, and the second was refused as 'made by an older Voodoo'. With a
+    --storage_path the default name also hashes the folder's full path; without one (the
+    checkpoints in <output_dir>/ray) it stays voodoo-train-<folder name>."""
+    from types import SimpleNamespace
+
+    from voodoo.cli import _ray_run_name
+    x, y = tmp_path / "x" / "r", tmp_path / "y" / "r"
+    shared = SimpleNamespace(run_name=None, storage_path="/mnt/s")
+    own = SimpleNamespace(run_name=None, storage_path=None)
+    assert _ray_run_name(own, x) == _ray_run_name(own, y) == "voodoo-train-r"
+    nx, ny = _ray_run_name(shared, x), _ray_run_name(shared, y)
+    assert nx.startswith("voodoo-train-r-") and ny.startswith("voodoo-train-r-") and nx != ny
+    assert nx == _ray_run_name(shared, x)        # the same command resumes the same run
+    assert _ray_run_name(SimpleNamespace(run_name="mine", storage_path="/s"), x) == "mine"

@@ -610,11 +610,17 @@ def _check_ray_flags(a) -> None:
 
 def _ray_run_name(a, out: Path) -> str:
     """The Ray Train run name: ``--run_name``, else fixed by the output folder (never a
-    timestamp: the same command resumes the same run)."""
+    timestamp: the same command resumes the same run): ``voodoo-train-<folder name>``, and
+    with a ``--storage_path`` (shared by many runs) ``-<hash of its full path>`` too, so two
+    folders of one name (``/x/r``, ``/y/r``) do not share checkpoints."""
     if a.run_name:
         return a.run_name
+    import hashlib
     import re
-    name = re.sub(r"[^A-Za-z0-9_.-]+", "-", Path(out).resolve().name).strip("-.") or "run"
+    full = Path(out).resolve()
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "-", full.name).strip("-.") or "run"
+    if getattr(a, "storage_path", None):
+        name += "-" + hashlib.sha256(str(full).encode()).hexdigest()[:8]
     return f"voodoo-train-{name}"
 
 

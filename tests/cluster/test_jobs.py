@@ -90,3 +90,22 @@ def test_ray_job_submit_local_head(tmp_path):
             except ProcessLookupError:
                 pass
         shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def test_default_run_name_follows_the_settings():
+    """Without --run_name every `python -m cluster.train_entry` run shared
+    ~/ray_results/voodoo-train, and a second run with another ratio was refused at resume under
+    a name the user never chose. The default name now hashes the factory and the settings a
+    resume must match: the same command resumes, other settings get their own folder."""
+    from cluster.train_entry import build_parser, default_run_name
+    from voodoo.train import TrainConfig
+
+    def name(argv, **cfg):
+        return default_run_name(build_parser().parse_args(argv), TrainConfig(**cfg))
+    a = name(["--toy"], compression_ratio=0.7, seq_len=16)
+    assert a.startswith("voodoo-train-") and a == name(["--toy"], compression_ratio=0.7,
+                                                       seq_len=16)
+    assert a != name(["--toy"], compression_ratio=0.6, seq_len=16)
+    assert a != name(["--factory", "m:f"], compression_ratio=0.7, seq_len=16)
+    assert name(["--factory", "m:f", "--factory_kwargs", '{"model": "x"}']) != \
+        name(["--factory", "m:f", "--factory_kwargs", '{"model": "y"}'])

@@ -163,3 +163,15 @@ def test_spread_over_nodes(three_nodes, jobs, reference, tmp_path):
     with pytest.raises(ValueError, match="gpu_node"):
         precache_ray(jobs, CandidateCache(tmp_path / "x"), progress=False,
                      resources="gpu_node")
+
+
+def test_quant_workers_env_is_checked(ray_local, monkeypatch):
+    """VOODOO_QUANT_WORKERS=abc gave int()'s 'invalid literal' (not naming the variable), and 0
+    or -1 'no CPU to quantize on' on a cluster with CPUs."""
+    from cluster.precache import n_quantize_workers
+    for bad in ("abc", "0", "-1", "1.5"):
+        monkeypatch.setenv("VOODOO_QUANT_WORKERS", bad)
+        with pytest.raises(ValueError, match=r"VOODOO_QUANT_WORKERS=.*whole number >= 1"):
+            n_quantize_workers()
+    monkeypatch.setenv("VOODOO_QUANT_WORKERS", "1")
+    assert n_quantize_workers() == 1
