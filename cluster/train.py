@@ -356,6 +356,14 @@ def _step_dirs(run_dir: Path) -> list[tuple[int, Path]]:
     return sorted(out, reverse=True)
 
 
+def _config_diff(cfg: TrainConfig, state: dict) -> list[str]:
+    """The TrainConfig fields (but :data:`voodoo.train._RESUME_FREE`) in which a checkpoint's
+    state (:func:`load_checkpoint_state`) differs from ``cfg``: not empty, it is another run's."""
+    mine, theirs = cfg.to_dict(), dict(state["config"])
+    return sorted(k for k in set(mine) | set(theirs)
+                  if k not in _RESUME_FREE and mine.get(k) != theirs.get(k))
+
+
 def newest_checkpoint(run_dir: str | os.PathLike) -> tuple[Path, int] | None:
     """(folder, step) of the newest complete checkpoint (:func:`checkpoint_complete`) among
     ``run_dir/checkpoint_NNNNNN``, or None. Incomplete folders (a worker died while writing)
@@ -589,9 +597,7 @@ def run_loop(config: dict, backend) -> dict:
           else _nullpath(ckpt_dir)) as d:
         if d is not None:
             st = load_checkpoint_state(d)
-            mine, theirs = cfg.to_dict(), dict(st["config"])
-            diff = sorted(k for k in set(mine) | set(theirs)
-                          if k not in _RESUME_FREE and mine.get(k) != theirs.get(k))
+            diff = _config_diff(cfg, st)
             if diff or int(st["budget_bytes"]) != int(budget):
                 raise ValueError(f"checkpoint {d} belongs to a different run (differs in "
                                  f"{diff or ['budget_bytes']}); use the same settings or a new "
@@ -977,9 +983,7 @@ def run_training(factory: Callable[[WorkerInfo], StudentJob], cfg: TrainConfig, 
         raise RuntimeError(f"run {run_name} finished without a complete checkpoint in "
                            f"{run_dir}")
     st = load_checkpoint_state(found[0])
-    mine, theirs = cfg.to_dict(), dict(st["config"])
-    diff = sorted(k for k in set(mine) | set(theirs)
-                  if k not in _RESUME_FREE and mine.get(k) != theirs.get(k))
+    diff = _config_diff(cfg, st)
     if diff:
         # another run wrote into this run folder meanwhile: never bake its gates as ours
         raise RuntimeError(f"the newest checkpoint in {run_dir} ({found[0]}) is another run's "
