@@ -150,6 +150,17 @@ def test_run_perplexity_errors(tmp_path, monkeypatch):
     with pytest.raises(ve.PerplexityError, match="no base logits"):
         ve.run_perplexity(model, text, kl_base=model)
 
+    # an abort: ggml's handler prints a gdb backtrace longer than the tail; the reason stays
+    (fails / "llama-perplexity").write_text(
+        "#!/bin/sh\nfor i in $(seq 30); do echo 'llama_model_load: ok' >&2; done\n"
+        "echo '/src/llama-graph.cpp:2072: fatal error' >&2\n"
+        "for i in $(seq 40); do echo \"#$i  0x00007f in ggml_abort () from libggml.so\" >&2; "
+        "done\necho '[Inferior 1 (process 7) detached]' >&2\nkill -ABRT $$\n")
+    with pytest.raises(ve.PerplexityError, match="(?s)exit -6.*llama-graph.cpp:2072: fatal "
+                       "error") as e:
+        ve.run_perplexity(model, text)
+    assert "ggml_abort" not in str(e.value)
+
 
 def _tool(name):
     try:

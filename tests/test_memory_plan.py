@@ -127,3 +127,18 @@ def test_voodoo_train_lazy_q8_teacher_prints_prediction(tiny_fixed, tmp_path):  
     lines = [ln for ln in so.splitlines() if ln.startswith("[voodoo] predicted device memory: ")]
     assert len(lines) == 1 and "candidates" in lines[0] and "teacher" in lines[0], so
     assert list(out.glob("*.assignment.json"))
+
+
+def test_config_size_reads_per_layer_lists():
+    """Gemma 3n's ``intermediate_size`` is a per-layer list: the memory plan takes its largest
+    entry (int() of the list crashed ``voodoo run`` after the candidates)."""
+    from types import SimpleNamespace
+
+    from voodoo.cli import config_size
+    c = SimpleNamespace(intermediate_size=[256, 512, 384], hidden_size=128, vocab_size=None,
+                        flag=True)
+    assert config_size(c, "intermediate_size") == 512
+    assert config_size(c, "hidden_size") == 128
+    assert config_size(c, "vocab_size", 7) == 7
+    assert config_size(c, "missing", 3) == 3
+    assert config_size(c, "flag", 5) == 5

@@ -237,8 +237,9 @@ def test_converter_sees_raw_config_keys_transformers_drops(tmp_path):
 
 
 def test_converter_shim_adds_only_absent_keys(tmp_path):
-    """The hparams wrapper adds raw keys where absent (also inside sub-dicts both have) and
-    never overrides what transformers produced."""
+    """The hparams wrapper adds raw keys where absent or None (transformers 5 sets Nemotron-H's
+    ``hybrid_override_pattern`` to None; also inside sub-dicts both have) and never overrides a
+    value transformers produced."""
     import subprocess
 
     from voodoo.models import converter_command
@@ -249,7 +250,8 @@ def test_converter_shim_adds_only_absent_keys(tmp_path):
         "class ModelBase:\n"
         "    @staticmethod\n"
         "    def load_hparams(dir_model, is_mistral_format):\n"
-        "        return {'a': 1, 'sub': {'x': 1}, 'rope_parameters': {'f': 0.5}}\n")
+        "        return {'a': 1, 'sub': {'x': 1}, 'rope_parameters': {'f': 0.5}, 'p': None,\n"
+        "                'z': 0}\n")
     script = tmp_path / "src" / "conv.py"
     script.write_text("import json, sys\nfrom conversion import ModelBase\n"
                       "print(json.dumps(ModelBase.load_hparams(sys.argv[1], False)))\n"
@@ -258,10 +260,12 @@ def test_converter_shim_adds_only_absent_keys(tmp_path):
     m = tmp_path / "m"
     m.mkdir()
     (m / "config.json").write_text(json.dumps(
-        {"a": 2, "rotary_pct": 0.5, "sub": {"x": 2, "y": 3}, "hybrid_override_pattern": "M*"}))
+        {"a": 2, "rotary_pct": 0.5, "sub": {"x": 2, "y": 3}, "hybrid_override_pattern": "M*",
+         "p": "M-*", "z": 4}))
     r = subprocess.run(converter_command(script, str(m)), capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     got, mistral = (json.loads(x) for x in r.stdout.splitlines())
     assert got == {"a": 1, "sub": {"x": 1, "y": 3}, "rope_parameters": {"f": 0.5},
-                   "rotary_pct": 0.5, "hybrid_override_pattern": "M*"}
-    assert mistral == {"a": 1, "sub": {"x": 1}, "rope_parameters": {"f": 0.5}}
+                   "rotary_pct": 0.5, "hybrid_override_pattern": "M*", "p": "M-*", "z": 0}
+    assert mistral == {"a": 1, "sub": {"x": 1}, "rope_parameters": {"f": 0.5}, "p": None,
+                       "z": 0}

@@ -426,10 +426,12 @@ def preflight(hf_model: torch.nn.Module, f32_gguf: str | os.PathLike, tokens: to
         raise LlamaCppLoadError(
             f"llama.cpp {llama_cpp_commit()} cannot load {Path(f32_gguf).name}, the F32 GGUF "
             f"its own converter wrote for this model (llama.cpp says: {e.reason}). It is a "
-            "limit of llama.cpp at this commit for this model's configuration, not something "
-            "a Voodoo flag changes (--skip_preflight neither: every later step runs llama.cpp "
-            "on this file); use a configuration llama.cpp supports, or a llama.cpp that loads "
-            "it", e.reason, f32_gguf) from None
+            "limit of llama.cpp at this commit for this model's configuration (of its loader, "
+            "or of its converter reading this config.json through transformers "
+            f"{_transformers_version()}; `gguf-dump {Path(f32_gguf)}` shows the metadata the "
+            "converter wrote), not something a Voodoo flag changes (--skip_preflight neither: "
+            "every later step runs llama.cpp on this file); use a configuration llama.cpp "
+            "supports, or a llama.cpp that loads it", e.reason, f32_gguf) from None
     res["max_kld"] = max_kld
     if not res["kld_mean"] <= max_kld:          # also catches nan
         top = res.get("same_top_p")
@@ -446,3 +448,11 @@ def preflight(hf_model: torch.nn.Module, f32_gguf: str | os.PathLike, tokens: to
             "serves. Fix the config or the llama.cpp version; to go on anyway, pass "
             "--skip_preflight.", res)
     return res
+
+
+def _transformers_version() -> str:
+    try:
+        import transformers
+        return transformers.__version__
+    except ImportError:
+        return "(not installed)"

@@ -907,6 +907,15 @@ def _range_safe_menus(ctx, menus: dict) -> dict:
 
 
 # ----------------------------------------------------------------------------- stages
+def config_size(config, key: str, default: int = 0) -> int:
+    """``config.<key>`` as an int for the memory plan: the largest entry of a per-layer list
+    (Gemma 3n's ``intermediate_size``), ``default`` when absent, None, 0 or not a number."""
+    v = getattr(config, key, None)
+    if isinstance(v, (list, tuple)):
+        v = max((x for x in v if isinstance(x, (int, float))), default=None)
+    return int(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and v else default
+
+
 class Run:
     """The shared state of a CLI invocation: context, data, imatrix, menus, candidates."""
 
@@ -1013,7 +1022,9 @@ class Run:
                     f"(--n_train_blocks x --seq_len) or --skip_preflight") from None
         rec = {"base_sha256": key, "ok": ok, "kld_mean": res.get("kld_mean"),
                "same_top_p": res.get("same_top_p"), "n_tokens": res.get("n_tokens")}
-        log(f"pre-flight: llama.cpp on {base.name} vs transformers: KLD {rec['kld_mean']} "
+        kld = rec["kld_mean"]
+        kld = abs(kld) if isinstance(kld, float) and kld == 0 else kld  # llama.cpp prints -0.0
+        log(f"pre-flight: llama.cpp on {base.name} vs transformers: KLD {kld} "
             f"nats/token, same top-1 {rec['same_top_p']} on {rec['n_tokens']} positions")
         write_json(path, rec)
         return rec
@@ -1331,10 +1342,13 @@ class Run:
         dtype = torch_dtype(a.dtype)
         dense_teacher = {torch.float32: "F32"}.get(
             next(self.ctx.model.parameters()).dtype, "BF16")
-        hidden = int(getattr(c, "hidden_size", 0) or 0)
-        kw = dict(n_params=n_params, n_layers=int(getattr(c, "num_hidden_layers", 0) or 0),
-                  hidden=hidden, vocab=int(getattr(c, "vocab_size", 0) or 0),
-                  intermediate=int(getattr(c, "intermediate_size", 0) or 4 * hidden),
+        def size(key, default=0):
+            return config_size(c, key, default)
+
+        hidden = size("hidden_size")
+        kw = dict(n_params=n_params, n_layers=size("num_hidden_layers"),
+                  hidden=hidden, vocab=size("vocab_size"),
+                  intermediate=size("intermediate_size", 4 * hidden),
                   tokens=int(cfg.seq_len) * int(cfg.batch_size), dtype=dtype)
 
         def predict(lazy, ckpt, q8):

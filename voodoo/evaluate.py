@@ -152,8 +152,22 @@ def parse_perplexity_output(text: str) -> dict:
     return out
 
 
+#: Lines of a crashed llama.cpp tool's output that are its debugger's backtrace (ggml's abort
+#: handler runs gdb/lldb: ``#3  0x... in ggml_abort ...``, ``[New LWP ...]``), not its reason.
+_BACKTRACE = re.compile(r"^\s*(#\d+\s|\[New LWP|\[Thread debugging|\[Inferior |Using host "
+                        r"libthread_db|0x[0-9a-f]+ in |warning: \d+\s)")
+#: Lines that carry a llama.cpp tool's reason for failing.
+_REASON = re.compile(r"error|GGML_ASSERT|fatal|failed|terminate called|what\(\)|abort",
+                     re.IGNORECASE)
+
+
 def _tail(text: str, n: int = 25) -> str:
-    return "\n".join(text.rstrip().splitlines()[-n:])
+    """The last ``n`` lines of a tool's output that are not a debugger backtrace, preceded by
+    up to 5 earlier lines that name an error (so an abort's reason survives a long trace)."""
+    lines = [ln for ln in text.rstrip().splitlines() if not _BACKTRACE.match(ln)]
+    tail = lines[-n:]
+    earlier = [ln for ln in lines[:-n] if _REASON.search(ln)][-5:]
+    return "\n".join(earlier + (["..."] if earlier else []) + tail)
 
 
 _HASHES: dict[tuple, str] = {}

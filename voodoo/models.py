@@ -507,9 +507,10 @@ def converter_options(hf_config: dict, user_args: Sequence[str] = (),
 #: hold every key of the folder's raw ``config.json`` that ``AutoConfig...to_dict()`` lost.
 #: llama.cpp pins transformers 4.57; transformers 5 moves or drops legacy keys (GPT-NeoX's
 #: ``rotary_pct`` goes into ``rope_parameters``: ``KeyError: 'rotary_pct'`` in
-#: conversion/gptneox.py; Nemotron-H's ``hybrid_override_pattern`` is dropped). Raw keys are
-#: added where absent, recursively into sub-dicts present in both (``text_config``); a key
-#: transformers produced is never overridden.
+#: conversion/gptneox.py; Nemotron-H's ``hybrid_override_pattern`` becomes None). Raw keys are
+#: added where absent or None, recursively into sub-dicts present in both (``text_config``); a
+#: value transformers produced is never overridden. Keys transformers 5 adds with defaults
+#: (Nemotron-H's MoE keys on a dense config) stay: the converter may read them.
 _CONVERTER_SHIM = r"""
 import json, runpy, sys
 from pathlib import Path
@@ -520,7 +521,7 @@ from conversion import base as _base
 
 def _add_missing(have, raw):
     for k, v in raw.items():
-        if k not in have:
+        if k not in have or (have[k] is None and v is not None):
             have[k] = v
         elif isinstance(have[k], dict) and isinstance(v, dict):
             _add_missing(have[k], v)
