@@ -2351,7 +2351,10 @@ def main(argv: list[str] | None = None) -> int:
         for name, (_, helptext) in COMMANDS.items():
             print(f"  {name:<13} {helptext}")
         if argv and argv[0] not in ("-h", "--help"):
-            print(f"\nvoodoo: unknown command {argv[0]!r}", file=sys.stderr)
+            import difflib
+            near = difflib.get_close_matches(argv[0], list(COMMANDS), n=1)
+            print(f"\nvoodoo: unknown command {argv[0]!r}"
+                  + (f"; did you mean {near[0]!r}?" if near else ""), file=sys.stderr)
             return 2
         return 0
     fn, _ = COMMANDS[argv[0]]

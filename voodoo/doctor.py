@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import platform
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -163,6 +164,9 @@ def run(out=sys.stdout, model: str | None = None) -> int:
         line("GPU/NCCL env", f"none set of {', '.join(env)}; voodoo tp sets them on GPU "
                              "workers")
     if cython_ggml is not None:
+        line("self-check", f"running: {len(SELF_CHECK_TYPES)} types through libggml (its IQ "
+                           "types build their grids on first use: up to a minute)")
+        t0 = time.monotonic()
         try:
             bad = self_check()
         except Exception as e:  # noqa: BLE001 - reported, not raised
@@ -172,7 +176,8 @@ def run(out=sys.stdout, model: str | None = None) -> int:
             line("self-check", "FAILED")
         else:
             line("self-check", f"OK: {len(SELF_CHECK_TYPES)} types quantized by libggml, "
-                               "dequantized bit-exactly as gguf.quants")
+                               "dequantized bit-exactly as gguf.quants "
+                               f"({time.monotonic() - t0:.0f} s)")
     if model:
         try:
             model_paths(model, out)

@@ -786,7 +786,11 @@ def fisher_prior(ctx: Context, teacher: torch.nn.Module, menus, keys, cache: Can
     tparams = {n: p.detach().float().cpu()
                for n, p in teacher.named_parameters(remove_duplicate=True)}
     dist = {}
-    for s in ctx.specs:
+    specs = ctx.specs
+    if progress:
+        from tqdm.auto import tqdm
+        specs = tqdm(specs, desc="prior costs", unit="tensor", dynamic_ncols=True)
+    for s in specs:
         cands = torch.stack([torch.from_numpy(np.ascontiguousarray(
             _dequantized(cache, keys[(s.gguf_name, t)], t, s.n_per_row)))
             for t in menus[s.gguf_name]])
@@ -799,6 +803,9 @@ def fisher_prior(ctx: Context, teacher: torch.nn.Module, menus, keys, cache: Can
                                          {s.gguf_name: ref}))
     act = {}
     if activation_rounding == "cpu":
+        if progress:
+            log(f"pricing activation rounding (--activation_rounding cpu) on "
+                f"{blocks.shape[0]} x {blocks.shape[1]} tokens")
         act = _activation_costs(ctx, teacher, menus, fisher, blocks)
         for n, costs in act.items():
             dist[n] = [d + costs.get(_vdt(t), 0.0) for d, t in zip(dist[n], menus[n])]

@@ -79,6 +79,10 @@ def compare_with_stock(r) -> list[dict]:
     save_report(rows, out / "eval" / "report.json", cols, title=header)
     write_pictures(r, rows, out / "eval", text_name=text.name)
     write_json(out / "eval" / "timing.json", r.timer.stages)
+    print(f"report: {out / 'eval' / 'report.md'} (and report.json, timing.json)")
+    if text.name == "eval-split.txt":
+        print("this table scored the calibration corpus's held-out split; --eval_text FILE "
+              "(e.g. WikiText-2's test text) scores another text, reusing everything else")
     return rows
 
 
