@@ -930,3 +930,24 @@ def test_ray_run_names_of_two_folders_of_one_name_differ_on_shared_storage(tmp_p
     assert nx.startswith("voodoo-train-r-") and ny.startswith("voodoo-train-r-") and nx != ny
     assert nx == _ray_run_name(shared, x)        # the same command resumes the same run
     assert _ray_run_name(SimpleNamespace(run_name="mine", storage_path="/s"), x) == "mine"
+
+
+def test_eval_gguf_in_a_run_folder_uses_that_folder(tmp_path, capsys):
+    """``voodoo eval --gguf runs/main/X.gguf`` measured in that run folder (its data and eval
+    split), not in a new ``runs/<model name>``; a GGUF elsewhere leaves the default."""
+    from types import SimpleNamespace
+
+    from voodoo.cli import _gguf_run_folder
+    run, other = tmp_path / "run", tmp_path / "other"
+    (run / "data").mkdir(parents=True)
+    (run / "data" / "meta.json").write_text("{}")
+    other.mkdir()
+    for d in (run, other):
+        (d / "x.gguf").write_bytes(b"GGUF")
+    a = SimpleNamespace(gguf=[str(other / "x.gguf"), str(run / "x.gguf")], output_dir=None)
+    _gguf_run_folder(a)
+    assert a.output_dir == str(run.resolve())
+    assert "run folder" in capsys.readouterr().err
+    a = SimpleNamespace(gguf=[str(other / "x.gguf")], output_dir=None)
+    _gguf_run_folder(a)
+    assert a.output_dir is None

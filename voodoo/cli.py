@@ -1766,6 +1766,19 @@ def _assignment_run_folder(a) -> None:
               "use the recorded model)", file=sys.stderr)
 
 
+def _gguf_run_folder(a) -> None:
+    """``eval --gguf F`` without ``--output_dir``/``--data_dir``: when F sits in a Voodoo run
+    folder (its ``data/meta.json`` or a ``*.assignment.json`` beside it), that folder is the
+    run folder (its data, eval split and imatrix), not ``runs/<model name>``."""
+    for g in a.gguf:
+        d = Path(g).expanduser().resolve().parent
+        if (d / "data" / "meta.json").is_file() or any(d.glob("*.assignment.json")):
+            a.output_dir = str(d)
+            print(f"[voodoo] run folder: {d} (the folder of {Path(g).name}; --output_dir "
+                  "chooses another)", file=sys.stderr)
+            return
+
+
 def _read_assignment(path) -> dict:
     """The ``<name>.assignment.json`` that ``voodoo train`` writes, parsed and checked (a
     ``tensors`` object whose entries have a ``type``). Raises UsageError naming the file."""
@@ -1975,6 +1988,8 @@ def _eval(argv):
     _check_inputs_early(a)
     if a.assignment:
         _assignment_run_folder(a)
+    elif a.gguf and not a.output_dir and not a.data_dir:
+        _gguf_run_folder(a)
     if a.assignment or a.output_dir or a.data_dir:
         _data_of_run(a)  # a run folder's data settings, not the defaults over its data
     for k, v in data_defaults.items():
