@@ -1342,13 +1342,10 @@ class Run:
         dtype = torch_dtype(a.dtype)
         dense_teacher = {torch.float32: "F32"}.get(
             next(self.ctx.model.parameters()).dtype, "BF16")
-        def size(key, default=0):
-            return config_size(c, key, default)
-
-        hidden = size("hidden_size")
-        kw = dict(n_params=n_params, n_layers=size("num_hidden_layers"),
-                  hidden=hidden, vocab=size("vocab_size"),
-                  intermediate=size("intermediate_size", 4 * hidden),
+        hidden = config_size(c, "hidden_size")
+        kw = dict(n_params=n_params, n_layers=config_size(c, "num_hidden_layers"),
+                  hidden=hidden, vocab=config_size(c, "vocab_size"),
+                  intermediate=config_size(c, "intermediate_size", 4 * hidden),
                   tokens=int(cfg.seq_len) * int(cfg.batch_size), dtype=dtype)
 
         def predict(lazy, ckpt, q8):

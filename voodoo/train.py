@@ -560,7 +560,7 @@ def train_gates(student: nn.Module, teacher, train_blocks: torch.Tensor, cfg: Tr
     if progress and step > 0:
         print(f"[voodoo] gate training: {step} steps; the soft gates' expected size is "
               f"{expected / budget:.4f} of the budget (the size penalty is zero within "
-              f"±{cfg.size_tolerance:g}); bake then picks one type per tensor at or under "
-              "the budget", file=sys.stderr, flush=True)
+              f"±{cfg.size_tolerance:g}); bake then picks one type per tensor within its "
+              "tolerance of the budget", file=sys.stderr, flush=True)
     return TrainResult(gate_state(student), step, step >= cfg.max_steps, int(budget), expected,
                        history)
