@@ -932,6 +932,22 @@ def test_ray_run_names_of_two_folders_of_one_name_differ_on_shared_storage(tmp_p
     assert _ray_run_name(SimpleNamespace(run_name="mine", storage_path="/s"), x) == "mine"
 
 
+def test_tune_sweep_names_of_two_folders_of_one_name_differ_on_shared_storage(tmp_path):
+    """The same rule for `voodoo tune`: two same-named folders under one --storage_path shared
+    the sweep name voodoo-tune-r (and so one sweep's trials)."""
+    from types import SimpleNamespace
+
+    from voodoo.cli import _sweep_name
+    x, y = tmp_path / "x" / "r", tmp_path / "y" / "r"
+    shared = SimpleNamespace(sweep_name=None, storage_path="/mnt/s")
+    own = SimpleNamespace(sweep_name=None, storage_path=None)
+    assert _sweep_name(own, x) == _sweep_name(own, y) == "voodoo-tune-r"
+    sx, sy = _sweep_name(shared, x), _sweep_name(shared, y)
+    assert sx.startswith("voodoo-tune-r-") and sy.startswith("voodoo-tune-r-") and sx != sy
+    assert sx == _sweep_name(shared, x)
+    assert _sweep_name(SimpleNamespace(sweep_name="mine", storage_path="/s"), x) == "mine"
+
+
 def test_eval_gguf_in_a_run_folder_uses_that_folder(tmp_path, capsys):
     """``voodoo eval --gguf runs/main/X.gguf`` measured in that run folder (its data and eval
     split), not in a new ``runs/<model name>``; a GGUF elsewhere leaves the default."""

@@ -624,6 +624,15 @@ def _ray_run_name(a, out: Path) -> str:
     return f"voodoo-train-{name}"
 
 
+def _sweep_name(a, out: Path) -> str:
+    """The Ray Tune experiment name: ``--sweep_name``, else :func:`_ray_run_name`'s rule with
+    ``voodoo-tune-`` (a shared ``--storage_path`` adds the hash of the folder's full path)."""
+    if a.sweep_name:
+        return a.sweep_name
+    own = SimpleNamespace(run_name=None, storage_path=getattr(a, "storage_path", None))
+    return "voodoo-tune-" + _ray_run_name(own, out).removeprefix("voodoo-train-")
+
+
 def _ray_storage(a, out: Path) -> str:
     if a.storage_path:  # Ray's temporary copy of a job's working dir would hold the checkpoints
         _check_not_in_ray_job_copy(Path(os.path.expanduser(a.storage_path)), "--storage_path")
@@ -2181,8 +2190,7 @@ def _tune(argv):
     from cluster.session import ensure_ray
     ensure_ray()  # a local Ray started here ends with this process, even on SIGKILL
     from cluster.tune import run_sweep
-    name = a.sweep_name or _ray_run_name(SimpleNamespace(run_name=None), r.out) \
-        .replace("voodoo-train-", "voodoo-tune-")
+    name = _sweep_name(a, r.out)
     r.check_training_state(str(Path(_ray_storage(a, r.out)) / name), "Ray Tune sweep")
     with r.timer("sweep (Ray Tune)"):
         best = run_sweep(r.student_factory(), cfg, num_samples=a.num_samples,
