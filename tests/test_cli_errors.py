@@ -914,38 +914,27 @@ def test_an_infeasible_worker_request_is_refused(monkeypatch):
     check_feasible({"CPU": 4}, "one Ray Train worker", "lower --cpus_per_worker")
 
 
-def test_ray_run_names_of_two_folders_of_one_name_differ_on_shared_storage(tmp_path):
-    """Two output folders named alike (/x/r, /y/r) under one --storage_path shared the run name
-    voodoo-train-r, and the second was refused as 'made by an older Voodoo'. With a
-    --storage_path the default name also hashes the folder's full path; without one (the
-    checkpoints in <output_dir>/ray) it stays voodoo-train-<folder name>."""
+@pytest.mark.parametrize("fn, flag, prefix", [("_ray_run_name", "run_name", "voodoo-train-r"),
+                                               ("_sweep_name", "sweep_name", "voodoo-tune-r")])
+def test_ray_names_of_two_folders_of_one_name_differ_on_shared_storage(tmp_path, fn, flag,
+                                                                        prefix):
+    """Two output folders named alike (/x/r, /y/r) under one --storage_path shared the Ray Train
+    run name voodoo-train-r (the second was refused as 'made by an older Voodoo'), and `voodoo
+    tune` the sweep name voodoo-tune-r (one sweep's trials). With a --storage_path the default
+    name also hashes the folder's full path; without one (checkpoints in <output_dir>/ray) it
+    stays <prefix>-<folder name>; --run_name / --sweep_name win."""
     from types import SimpleNamespace
 
-    from voodoo.cli import _ray_run_name
+    import voodoo.cli as cli
+    name = getattr(cli, fn)
     x, y = tmp_path / "x" / "r", tmp_path / "y" / "r"
-    shared = SimpleNamespace(run_name=None, storage_path="/mnt/s")
-    own = SimpleNamespace(run_name=None, storage_path=None)
-    assert _ray_run_name(own, x) == _ray_run_name(own, y) == "voodoo-train-r"
-    nx, ny = _ray_run_name(shared, x), _ray_run_name(shared, y)
-    assert nx.startswith("voodoo-train-r-") and ny.startswith("voodoo-train-r-") and nx != ny
-    assert nx == _ray_run_name(shared, x)        # the same command resumes the same run
-    assert _ray_run_name(SimpleNamespace(run_name="mine", storage_path="/s"), x) == "mine"
-
-
-def test_tune_sweep_names_of_two_folders_of_one_name_differ_on_shared_storage(tmp_path):
-    """The same rule for `voodoo tune`: two same-named folders under one --storage_path shared
-    the sweep name voodoo-tune-r (and so one sweep's trials)."""
-    from types import SimpleNamespace
-
-    from voodoo.cli import _sweep_name
-    x, y = tmp_path / "x" / "r", tmp_path / "y" / "r"
-    shared = SimpleNamespace(sweep_name=None, storage_path="/mnt/s")
-    own = SimpleNamespace(sweep_name=None, storage_path=None)
-    assert _sweep_name(own, x) == _sweep_name(own, y) == "voodoo-tune-r"
-    sx, sy = _sweep_name(shared, x), _sweep_name(shared, y)
-    assert sx.startswith("voodoo-tune-r-") and sy.startswith("voodoo-tune-r-") and sx != sy
-    assert sx == _sweep_name(shared, x)
-    assert _sweep_name(SimpleNamespace(sweep_name="mine", storage_path="/s"), x) == "mine"
+    shared = SimpleNamespace(**{flag: None}, storage_path="/mnt/s")
+    own = SimpleNamespace(**{flag: None}, storage_path=None)
+    assert name(own, x) == name(own, y) == prefix
+    nx, ny = name(shared, x), name(shared, y)
+    assert nx.startswith(prefix + "-") and ny.startswith(prefix + "-") and nx != ny
+    assert nx == name(shared, x)        # the same command resumes the same run
+    assert name(SimpleNamespace(**{flag: "mine"}, storage_path="/s"), x) == "mine"
 
 
 def test_eval_gguf_in_a_run_folder_uses_that_folder(tmp_path, capsys):
