@@ -1680,6 +1680,8 @@ def _train(argv, run_all=False):
     r.menus_and_budget()  # an unreachable budget fails before data, imatrix and candidates
     _check_tp_early(r)  # a split that cuts quant blocks too (before precache and Fisher)
     _check_journal_early(r.out / "train", None if a.ray else r)
+    if a.ray:
+        _check_ray_checkpoint_early(r)
     # a journal of another model fails now, before data, imatrix and candidates
     if a.ray:
         r.check_training_state(str(Path(_ray_storage(a, r.out)) / _ray_run_name(a, r.out)),
@@ -1756,6 +1758,27 @@ def _check_journal_early(train_dir: Path, r=None) -> None:
         st = _load_journal(j)
         if r is not None and getattr(r, "budget", None) is not None:
             check_journal_fits(j, r.train_config(), r.budget, st)
+
+
+def _check_ray_checkpoint_early(r) -> None:
+    """Under ``--ray``: the newest complete Ray Train checkpoint of this run (``--storage_path``
+    and run name, :func:`_ray_run_name`) made with another training config or budget fails now,
+    before data, imatrix, candidates, the Fisher prior and Ray's start (the workers found it
+    only after all of them), naming what differs and the way out. Nothing to check without such
+    a checkpoint or before the budget is known."""
+    from cluster.train import load_checkpoint_state, newest_checkpoint
+
+    from .train import check_journal_fits
+    a = r.a
+    run_dir = Path(_ray_storage(a, r.out)) / _ray_run_name(a, r.out)
+    found = newest_checkpoint(run_dir) if run_dir.is_dir() else None
+    if found is None or getattr(r, "budget", None) is None:
+        return
+    check_journal_fits(found[0], r.train_config(), r.budget, load_checkpoint_state(found[0]),
+                       way_out="use the same settings to resume (flags left out take their "
+                               f"defaults), another --run_name, or delete {run_dir} to train "
+                               "anew (the folder's data, imatrix and candidates are reused "
+                               "where their settings match)")
 
 
 def _assignment_run_folder(a) -> None:

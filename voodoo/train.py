@@ -321,12 +321,15 @@ def _save_journal(path: Path, obj: dict) -> None:
     os.replace(tmp, path)
 
 
-def check_journal_fits(journal, cfg: "TrainConfig", budget: float, st: dict | None = None
-                       ) -> None:
+def check_journal_fits(journal, cfg: "TrainConfig", budget: float, st: dict | None = None,
+                       way_out: str | None = None) -> None:
     """Raises ValueError, naming what differs and the way out, when the journal ``journal``
     (read unless ``st``, its contents, is given) was written by a run with another training
     config (``_RESUME_FREE`` keys aside) or another budget (bytes); such a journal cannot be
-    resumed. CorruptJournalError when it cannot be read."""
+    resumed. ``way_out``: what the message tells the user to do instead (default: the same
+    settings, a fresh --output_dir or deleting the journal). CorruptJournalError when it cannot
+    be read. A Ray Train checkpoint's ``state.pt`` has the same ``config`` and
+    ``budget_bytes``."""
     journal = Path(journal)
     st = _load_journal(journal) if st is None else st
     mine, theirs = cfg.to_dict(), dict(st["config"])
@@ -335,11 +338,11 @@ def check_journal_fits(journal, cfg: "TrainConfig", budget: float, st: dict | No
     if int(st["budget_bytes"]) != int(budget):
         diff.append(f"budget_bytes ({int(st['budget_bytes'])} there, {int(budget)} now)")
     if diff:
-        raise ValueError(f"{journal} belongs to a different run (differs in {diff}); use the "
-                         f"same settings to resume (flags left out take their defaults), a "
-                         f"fresh --output_dir, or delete {journal} to train anew here (the "
-                         "folder's data, imatrix and candidates are reused where their "
-                         "settings match)")
+        way_out = way_out or (f"use the same settings to resume (flags left out take their "
+                              f"defaults), a fresh --output_dir, or delete {journal} to train "
+                              "anew here (the folder's data, imatrix and candidates are reused "
+                              "where their settings match)")
+        raise ValueError(f"{journal} belongs to a different run (differs in {diff}); {way_out}")
 
 
 def _load_journal(path: Path) -> dict:

@@ -59,6 +59,30 @@ def test_in_process_run_resumes_from_checkpoint(tmp_path, reference):
                      storage_path=tmp_path)
 
 
+def test_cli_refuses_another_runs_checkpoint_before_any_work(tmp_path):
+    """`voodoo train --ray` with other settings than the Ray run it would resume: refused by
+    the driver (the CLI's early check, before data, imatrix, candidates, Fisher and Ray's
+    start), with what differs and the way out; the same settings pass."""
+    from types import SimpleNamespace
+
+    from voodoo.cli import _check_ray_checkpoint_early
+    first = run_training(TinyLlamaFactory(), _cfg(), num_workers=0, run_name="r",
+                         storage_path=tmp_path, stop_after=2)
+    assert not first.finished and newest_checkpoint(tmp_path / "r") is not None
+
+    def run(cfg, budget=first.budget_bytes):
+        return SimpleNamespace(a=SimpleNamespace(run_name="r", storage_path=str(tmp_path)),
+                               out=tmp_path / "out", budget=budget, train_config=lambda: cfg)
+    _check_ray_checkpoint_early(run(_cfg()))                 # the same run: resumes
+    with pytest.raises(ValueError, match=r"different run \(differs in \['lr'\]\).*--run_name"):
+        _check_ray_checkpoint_early(run(_cfg(lr=0.2)))
+    with pytest.raises(ValueError, match="budget_bytes"):
+        _check_ray_checkpoint_early(run(_cfg(), first.budget_bytes + 1000))
+    _check_ray_checkpoint_early(SimpleNamespace(               # another name: nothing to resume
+        a=SimpleNamespace(run_name="other", storage_path=str(tmp_path)), out=tmp_path / "out",
+        budget=1, train_config=lambda: _cfg(lr=0.2)))
+
+
 def test_device_map_cpu_cpu(tmp_path, reference):
     assert parse_device_map("cpu, cpu") == ["cpu", "cpu"]
     with pytest.raises(ValueError):
