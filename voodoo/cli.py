@@ -1680,10 +1680,10 @@ def _train(argv, run_all=False):
     r.menus_and_budget()  # an unreachable budget fails before data, imatrix and candidates
     _check_tp_early(r)  # a split that cuts quant blocks too (before precache and Fisher)
     _check_journal_early(r.out / "train", None if a.ray else r)
+    # a journal of another model (or Ray checkpoint of other settings) fails now, before data,
+    # imatrix and candidates
     if a.ray:
         _check_ray_checkpoint_early(r)
-    # a journal of another model fails now, before data, imatrix and candidates
-    if a.ray:
         r.check_training_state(str(Path(_ray_storage(a, r.out)) / _ray_run_name(a, r.out)),
                                "Ray Train checkpoint folder", record_it=False)
     else:
