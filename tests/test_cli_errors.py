@@ -281,7 +281,8 @@ def test_corrupt_cached_candidate_is_rebuilt(tiny_fixed, tmp_path):  # noqa: F81
     cache_dir, out = tmp_path / "cache", tmp_path / "out"
     argv = ["precache", "--model", str(tiny_fixed), "--output_dir", str(out), "--cache_dir",
             str(cache_dir), "--seq_len", "64", "--n_train_blocks", "8", "--n_eval_blocks", "2",
-            "--imatrix_blocks", "4", "--no_ray", "--candidate_types", "Q8_0,Q4_K"]
+            "--imatrix_blocks", "4", "--no_ray", "--candidate_types", "Q8_0,Q4_K",
+            "--rounding", "ggml"]  # llama-quantize's bytes only: one file per (tensor, type)
     rc, stdout, err = run_cli(argv)
     assert rc == 0, err[-2000:]
     files = sorted(cache_dir.rglob("*.arrow"))
