@@ -144,6 +144,36 @@ def check_feasible(need: dict, what: str, fix: str) -> None:
                      "such a node (an autoscaling cluster: VOODOO_ALLOW_PENDING=1 waits for it)")
 
 
+def check_feasible_here(need: dict, what: str, fix: str) -> None:
+    """:func:`check_feasible` before Ray is up, for the local Ray a run without ``RAY_ADDRESS``
+    starts: that Ray's one node has at most this machine's CPUs (``os.cpu_count()``) and the
+    GPUs torch sees, so a larger per-worker (per-trial) request is refused before the data,
+    imatrix and candidates instead of after them. With ``RAY_ADDRESS`` set, Ray already up,
+    or ``VOODOO_ALLOW_PENDING=1``, nothing is checked here (the cluster's nodes are checked
+    once Ray is up). Raises ValueError in :func:`check_feasible`'s form."""
+    need = {k: float(v) for k, v in need.items() if v}
+    if not need or os.environ.get("VOODOO_ALLOW_PENDING") or \
+            os.environ.get("RAY_ADDRESS", "").strip():
+        return
+    import ray
+    if ray.is_initialized():
+        return
+    have = {"CPU": float(os.cpu_count() or 1)}
+    if "GPU" in need:
+        try:
+            import torch
+            have["GPU"] = float(torch.cuda.device_count())
+        except ImportError:
+            have["GPU"] = 0.0
+    short = {k: v for k, v in need.items() if k in have and v > have[k]}
+    if short:
+        raise ValueError(f"{what} needs {', '.join(f'{k} {v:g}' for k, v in need.items())}, and "
+                         f"the local Ray this run starts has "
+                         f"{', '.join(f'{k} {have[k]:g}' for k in need if k in have)} (this "
+                         f"machine's); {fix}, or set RAY_ADDRESS to a cluster that has such a "
+                         "node")
+
+
 def watch(pid: int, interval: float = 0.2, grace: float = 3.0) -> int:
     """Follows the process tree of ``pid`` until ``pid`` ends, then stops what was last seen in
     it (SIGTERM, SIGKILL after ``grace`` seconds). Returns the number of processes stopped."""

@@ -5,6 +5,7 @@ do (nothing of the later stages is written); files already there are kept."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -890,6 +891,29 @@ def test_a_ray_address_where_nothing_answers_is_refused_first(tiny_fixed, tmp_pa
         line = error_line(rc, err, cmd)
         assert f"RAY_ADDRESS=127.0.0.1:{port}" in line and "ray start --head" in line
         nothing_written(out)
+
+
+def test_a_worker_request_this_machine_cannot_hold_is_refused_first(tiny_fixed, tmp_path,  # noqa: F811
+                                                                    monkeypatch):
+    """Without RAY_ADDRESS the run starts a local Ray of this machine's CPUs: `train --ray
+    --cpus_per_worker N` (or `tune --cpus_per_trial N`) beyond them is refused before any stage
+    (it was refused only once Ray was up, after data, imatrix and candidates)."""
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.delenv("VOODOO_ALLOW_PENDING", raising=False)
+    n = (os.cpu_count() or 1) + 1
+    out = tmp_path / "run"
+    base = ["--model", str(tiny_fixed), "--output_dir", str(out),
+            *[x for x in SMALL if x != "--no_ray"]]
+    for cmd, extra, flag in (("train", ["--ray", "--num_workers", "1", "--cpus_per_worker"],
+                              "--cpus_per_worker"),
+                             ("tune", ["--cpus_per_trial"], "--cpus_per_trial")):
+        rc, _, err = run_cli([cmd, *base, *extra, str(n)])
+        line = error_line(rc, err, cmd)
+        assert f"needs CPU {n}" in line and f"CPU {n - 1:g}" in line and flag in line, line
+        nothing_written(out)
+    monkeypatch.setenv("VOODOO_ALLOW_PENDING", "1")  # an autoscaling cluster: not refused here
+    from cluster.session import check_feasible_here
+    check_feasible_here({"CPU": n}, "one Ray Train worker", "lower --cpus_per_worker")
 
 
 def test_an_infeasible_worker_request_is_refused(monkeypatch):

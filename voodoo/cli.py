@@ -634,12 +634,24 @@ def _match_size_target(value) -> int | str:
 
 def _check_ray_flags(a) -> None:
     """Ray-only flags without --ray fail before any work; with --ray, a RAY_ADDRESS where no
-    cluster answers fails too (:func:`cluster.session.check_address`)."""
+    cluster answers fails too (:func:`cluster.session.check_address`), and so does a worker
+    request the local Ray this run would start cannot hold
+    (:func:`cluster.session.check_feasible_here`)."""
     if getattr(a, "ray", False):
-        from cluster.session import check_address
+        from cluster.session import check_address, check_feasible_here
         check_address()
         if a.tensor_parallel < 1:
             raise UsageError(f"--tensor_parallel must be >= 1, got {a.tensor_parallel}")
+        nw = a.num_workers if a.num_workers is not None else \
+            a.tensor_parallel * (a.data_parallel or 1)
+        if nw > 0:
+            try:
+                gpu = a.use_gpu or str(getattr(a, "device", "")).startswith("cuda")
+                check_feasible_here({"CPU": a.cpus_per_worker or 0, "GPU": 1 if gpu else 0},
+                                    "one Ray Train worker",
+                                    "lower --cpus_per_worker (or leave out --use_gpu)")
+            except ValueError as e:
+                raise UsageError(str(e)) from None
         return
     if a.tensor_parallel > 1:
         raise UsageError(f"--tensor_parallel {a.tensor_parallel} needs Ray Train: add --ray "
@@ -2238,6 +2250,12 @@ def _tune(argv):
     for flag in ("cpus_per_trial", "gpus_per_trial"):
         if not getattr(a, flag) >= 0:
             raise UsageError(f"--{flag} must be >= 0, got {getattr(a, flag)}")
+    from cluster.session import check_feasible_here
+    try:  # before data, imatrix and candidates (the cluster's nodes are checked once Ray is up)
+        check_feasible_here({"CPU": a.cpus_per_trial, "GPU": a.gpus_per_trial},
+                            "one Ray Tune trial", "lower --cpus_per_trial / --gpus_per_trial")
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     from .bake import parse_tensor_upgrades
     rules = parse_tensor_upgrades(a.tensor_upgrades)
     r = Run(a)
