@@ -634,24 +634,12 @@ def _match_size_target(value) -> int | str:
 
 def _check_ray_flags(a) -> None:
     """Ray-only flags without --ray fail before any work; with --ray, a RAY_ADDRESS where no
-    cluster answers fails too (:func:`cluster.session.check_address`), and so does a worker
-    request the local Ray this run would start cannot hold
-    (:func:`cluster.session.check_feasible_here`)."""
+    cluster answers fails too (:func:`cluster.session.check_address`)."""
     if getattr(a, "ray", False):
-        from cluster.session import check_address, check_feasible_here
+        from cluster.session import check_address
         check_address()
         if a.tensor_parallel < 1:
             raise UsageError(f"--tensor_parallel must be >= 1, got {a.tensor_parallel}")
-        nw = a.num_workers if a.num_workers is not None else \
-            a.tensor_parallel * (a.data_parallel or 1)
-        if nw > 0:
-            try:
-                gpu = a.use_gpu or str(getattr(a, "device", "")).startswith("cuda")
-                check_feasible_here({"CPU": a.cpus_per_worker or 0, "GPU": 1 if gpu else 0},
-                                    "one Ray Train worker",
-                                    "lower --cpus_per_worker (or leave out --use_gpu)")
-            except ValueError as e:
-                raise UsageError(str(e)) from None
         return
     if a.tensor_parallel > 1:
         raise UsageError(f"--tensor_parallel {a.tensor_parallel} needs Ray Train: add --ray "
@@ -660,6 +648,27 @@ def _check_ray_flags(a) -> None:
     for flag in ("num_workers", "data_parallel", "device_map", "run_name", "storage_path"):
         if getattr(a, flag, None) is not None:
             raise UsageError(f"--{flag} needs --ray")
+
+
+def _check_workers_fit_here(a) -> None:
+    """``train --ray`` with Ray Train workers and no ``RAY_ADDRESS``: a per-worker request
+    (``--cpus_per_worker``, a GPU for ``--use_gpu``/``--device cuda``) that the local Ray this
+    run starts cannot hold fails before any work (:func:`cluster.session.check_feasible_here`).
+    Raises UsageError."""
+    if not getattr(a, "ray", False):
+        return
+    nw = a.num_workers if a.num_workers is not None else \
+        a.tensor_parallel * (a.data_parallel or 1)
+    if nw <= 0:
+        return
+    from cluster.session import check_feasible_here
+    gpu = a.use_gpu or str(getattr(a, "device", "")).startswith("cuda")
+    try:
+        check_feasible_here({"CPU": a.cpus_per_worker or 0, "GPU": 1 if gpu else 0},
+                            "one Ray Train worker",
+                            "lower --cpus_per_worker (or leave out --use_gpu)")
+    except ValueError as e:
+        raise UsageError(str(e)) from None
 
 
 def _ray_run_name(a, out: Path) -> str:
@@ -1713,6 +1722,7 @@ def _train(argv, run_all=False):
                         help="llama.cpp file types to compare with")
     a = _parse_keeping_run_data(ap, argv)
     _check_ray_flags(a)
+    _check_workers_fit_here(a)
     _check_train_numbers(a)
     if not a.ray:
         _check_local_device(a)
