@@ -109,3 +109,21 @@ def test_stock_file_requantized_for_another_imatrix(tiny_prepared, tmp_path):
                       tmp_path / "s").stat().st_mtime_ns == t0  # same inputs: reused
     f = stock_file(tiny_prepared.base_gguf, "Q4_K_M", tmp_path / "im1.gguf", tmp_path / "s")
     assert f.stat().st_mtime_ns != t0 and sha256_file(f) != b0
+
+
+def test_a_journal_of_other_candidate_bytes_names_them_and_the_way_to_resume(
+        tiny_fixed, tmp_path):  # noqa: F811
+    """A folder trained with llama-quantize's bytes (the default before 2026-12-05), trained
+    again without --rounding (now auto): refused before any stage, naming the setting as the
+    user would type it and how to resume; with --rounding ggml the same folder trains on."""
+    out = tmp_path / "run"
+    argv = ["train", "--model", str(tiny_fixed), "--output_dir", str(out), *SMALL]
+    rc, so, se = run_cli(argv + ["--rounding", "ggml"])
+    assert rc == 0, se[-3000:]
+    rc, so, se = run_cli(argv)
+    line = error_line(rc, se)
+    assert "rounding ggml, not auto" in line and "resume it with --rounding ggml" in line, line
+    assert "None" not in line, line
+    assert "input Hessians" not in se  # refused before the stages
+    rc, so, se = run_cli(argv + ["--rounding", "ggml"])
+    assert rc == 0, se[-3000:]

@@ -1345,11 +1345,18 @@ class Run:
             path = Path(artifact) if Path(artifact).is_absolute() else self.out / artifact
             old = (recorded(self.out, artifact) or {}).get("model")
             from .provenance import _short
+            absent = {"rounding": "ggml", "hessian_blocks": "(none: ggml)"}
             whose = (f"of {_short(old)}, not of {_short(inputs['model'])}" if "model" in diff
-                     else f"made from other inputs ({describe(self.out, artifact, inputs, diff)})")
+                     else "made from other inputs "
+                          f"({describe(self.out, artifact, inputs, diff, absent)})")
+            resume = ""
+            if "rounding" in diff and set(diff) <= {"rounding", "hessian_blocks",
+                                                    "rounding_feedback"}:
+                was = (recorded(self.out, artifact) or {}).get("rounding") or "ggml"
+                resume = f"; resume it with --rounding {was}"  # e.g. a run of the old default
             raise ProvenanceError(
-                f"{path} is the {what} of a run {whose}; pass a fresh --output_dir, or delete "
-                f"{path} to train from scratch here")
+                f"{path} is the {what} of a run {whose}{resume}; pass a fresh --output_dir, or "
+                f"delete {path} to train from scratch here")
         if record_it:
             record(self.out, artifact, inputs)
 

@@ -136,9 +136,16 @@ def _short(v: Any) -> str:
     return s[:16] + "…" if len(s) == 64 and all(c in "0123456789abcdef" for c in s) else s
 
 
-def describe(out_dir, artifact: str, inputs: Mapping[str, Any], diff: list[str]) -> str:
-    """``"made from model A, not B; tokens x…, not y…"``: the differing inputs, old vs new."""
+def describe(out_dir, artifact: str, inputs: Mapping[str, Any], diff: list[str],
+             absent: Mapping[str, Any] | None = None) -> str:
+    """``"made from model A, not B; tokens x…, not y…"``: the differing inputs, old vs new;
+    ``absent``: what an input not recorded on one side stands for (e.g. ``{"rounding":
+    "ggml"}``), shown instead of None."""
     if diff == ["origin unknown"]:
         return "its inputs are not recorded (made by an older Voodoo or copied in)"
     rec = recorded(out_dir, artifact) or {}
-    return "; ".join(f"{k} {_short(rec.get(k))}, not {_short(inputs.get(k))}" for k in diff)
+    absent = absent or {}
+
+    def show(d, k):
+        return _short(d.get(k, absent.get(k)))
+    return "; ".join(f"{k} {show(rec, k)}, not {show(inputs, k)}" for k in diff)
