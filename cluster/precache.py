@@ -34,8 +34,8 @@ import numpy as np
 import ray
 
 from voodoo.candidates import (CandidateCache, CandidateKey, CorruptCandidate, PrecacheResult,
-                               _progress, from_arrow, plan_precache, quantize_candidate,
-                               to_arrow)
+                               _progress, _quantize_label, from_arrow, plan_precache,
+                               quantize_candidate, to_arrow)
 
 __all__ = ["QuantizeActor", "precache_ray", "PrecacheError", "n_quantize_workers"]
 
@@ -268,7 +268,7 @@ def precache_ray(jobs: Iterable, cache: CandidateCache, max_workers: int | None 
     inflight: dict[ray.ObjectRef, tuple[_Task, _Slot]] = {}
     failures: dict = {}
     nodes: Counter = Counter()
-    bar = _progress(len(todo), f"quantize ({n_workers} Ray actors)", progress)
+    bar = _progress(len(todo), f"{_quantize_label(todo)} ({n_workers} Ray actors)", progress)
 
     def fail(task: _Task, slot: _Slot | None, err: str) -> None:
         job, key = todo[task.i]

@@ -911,6 +911,10 @@ def test_a_worker_request_this_machine_cannot_hold_is_refused_first(tiny_fixed, 
         line = error_line(rc, err, cmd)
         assert f"needs CPU {n}" in line and f"CPU {n - 1:g}" in line and flag in line, line
         nothing_written(out)
+    rc, _, err = run_cli(["train", *base, "--ray", "--num_workers", "1", "--cpus_per_worker",
+                          "-1"])  # nonsense on any machine
+    assert "--cpus_per_worker must be >= 0, got -1" in error_line(rc, err)
+    nothing_written(out)
     monkeypatch.setenv("VOODOO_ALLOW_PENDING", "1")  # an autoscaling cluster: not refused here
     from cluster.session import check_feasible_here
     check_feasible_here({"CPU": n}, "one Ray Train worker", "lower --cpus_per_worker")

@@ -24,16 +24,20 @@ def _specs(layers, n_embd, n_ff):
 
 
 def test_default_is_auto_for_a_small_model_and_given_flags_win(capsys):
-    from voodoo.cli import _default_rounding
+    from voodoo.cli import UsageError, _default_rounding
     small = _specs(2, 256, 512)
     a = argparse.Namespace(rounding=None, n_eval_blocks=8)
     _default_rounding(a, small)
     assert a.rounding == "auto"
-    for given in ("ggml", "gptq", "auto"):
-        a = argparse.Namespace(rounding=given, n_eval_blocks=0)
+    assert "candidate bytes: --rounding auto (the default)" in capsys.readouterr().err
+    for given, n_eval in (("ggml", 0), ("gptq", 0), ("auto", 8)):
+        a = argparse.Namespace(rounding=given, n_eval_blocks=n_eval)
         _default_rounding(a, _specs(32, 4096, 11008))
         assert a.rounding == given
     assert capsys.readouterr().err == ""
+    # asked for auto with nothing to score on: refused here, before any stage
+    with pytest.raises(UsageError, match="--n_eval_blocks 0"):
+        _default_rounding(argparse.Namespace(rounding="auto", n_eval_blocks=0), small)
 
 
 def test_no_eval_blocks_or_too_large_falls_back_to_ggml_with_a_line(capsys):

@@ -4,6 +4,8 @@ the gates trained on, a GGUF stock llama.cpp runs, and the same file size as the
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 from voodoo.ggufio import read_gguf
@@ -257,4 +259,7 @@ def test_rounding_choice_shows_progress_and_keeps_what_it_scored(tiny_fixed, tmp
     rc, _, err = run_cli([*args, "--output_dir", str(part)])
     assert rc == 0, err[-3000:]
     assert calls["n"] == 2 * (n_pairs - n_kept)
+    m = re.search(r"rounding choice: (\d+) \(tensor, type\) pairs already scored in "
+                  r"rounding.json; scoring the other (\d+)", err)  # the head's pairs too
+    assert m and int(m.group(1)) >= n_kept and int(m.group(2)) >= n_pairs - n_kept, err[-3000:]
     assert json.loads((part / "rounding.json").read_text())["tensors"] == table

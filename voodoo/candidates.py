@@ -709,6 +709,14 @@ def plan_precache(jobs: Iterable, cache: CandidateCache, verify: bool = True
     return result, todo
 
 
+def _quantize_label(todo) -> str:
+    """The progress bar's name for a batch of candidates to quantize: ``"quantize"``, or
+    ``"quantize (error-feedback)"`` when any of them is error-feedback rounded (the slow kind:
+    GPTQ with coordinate-descent sweeps, seconds to minutes a tensor on a CPU)."""
+    return "quantize (error-feedback)" if any(k.rounding != "ggml" for _, k in todo) \
+        else "quantize"
+
+
 def _progress(total: int, desc: str, enabled: bool):
     if not enabled or total == 0:
         return None
@@ -741,7 +749,7 @@ def precache_local(jobs: Iterable, cache: CandidateCache, progress: bool = True,
     """
     t0 = time.perf_counter()
     result, todo = plan_precache(jobs, cache, verify=verify)
-    bar = _progress(len(todo), "quantize", progress)
+    bar = _progress(len(todo), _quantize_label(todo), progress)
     try:
         for job, key in todo:
             if bar is not None:

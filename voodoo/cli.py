@@ -159,15 +159,20 @@ def _default_rounding(a, specs) -> None:
     memory (a 7B model's: about 44 GB a set). Decided before any journal is compared (the model's
     ``specs`` known, a run folder's data settings taken), so a resumed run compares the same
     settings."""
-    if getattr(a, "rounding", None) is not None:
-        return
     from .pipeline import log
+    n_eval = getattr(a, "n_eval_blocks", None) or 0
+    if getattr(a, "rounding", None) is not None:
+        if a.rounding == "auto" and n_eval <= 0:  # known from the flags: before any stage
+            raise UsageError("--rounding auto scores both roundings on the dataset's eval "
+                             "blocks, and this dataset has none (--n_eval_blocks 0): give "
+                             "--n_eval_blocks N, or pass --rounding gptq or ggml")
+        return
     need = 2 * hessian_bytes(specs)
     try:
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         ram = 0
-    if (getattr(a, "n_eval_blocks", None) or 0) <= 0:
+    if n_eval <= 0:
         a.rounding = "ggml"
         log("--rounding auto (the default) scores both roundings on the dataset's eval blocks "
             "and this dataset has none: using llama-quantize's own bytes (--rounding ggml); "
@@ -179,6 +184,10 @@ def _default_rounding(a, specs) -> None:
             "llama-quantize's own bytes (--rounding ggml); pass --rounding auto to insist")
     else:
         a.rounding = "auto"
+        log("candidate bytes: --rounding auto (the default): llama-quantize's and error-feedback "
+            "bytes for every (tensor, type), the better one on the held-out eval blocks kept; a "
+            "new calibration text makes the error-feedback ones again (the slow part of a first "
+            "run: minutes to tens of minutes on a CPU; --rounding ggml skips them)")
 
 
 def _run_data_defaults(ap) -> dict:
@@ -245,6 +254,7 @@ def _menu_flags(ap, menus: bool = True):
                     help="quantize candidates in this process instead of Ray actors (only "
                          "the candidates: with --ray, gate training still runs in Ray Train)")
     ap.add_argument("--rounding", choices=["ggml", "gptq", "auto"], default=None,
+                    type=str.lower,
                     help="candidate bytes: 'ggml' = llama-quantize's own (the tensor-type file "
                          "reproduces the export); 'gptq' = error-feedback rounding with each "
                          "matmul input's Hessian from the calibration blocks (valid blocks of "
@@ -640,6 +650,8 @@ def _check_ray_flags(a) -> None:
         check_address()
         if a.tensor_parallel < 1:
             raise UsageError(f"--tensor_parallel must be >= 1, got {a.tensor_parallel}")
+        if a.cpus_per_worker is not None and not a.cpus_per_worker >= 0:
+            raise UsageError(f"--cpus_per_worker must be >= 0, got {a.cpus_per_worker}")
         return
     if a.tensor_parallel > 1:
         raise UsageError(f"--tensor_parallel {a.tensor_parallel} needs Ray Train: add --ray "
@@ -1212,7 +1224,13 @@ class Run:
         from .provenance import tokens_sha256
         if getattr(self, "train_blocks", None) is None:
             self.data()
-        calib = self.train_blocks[: getattr(self.a, "hessian_blocks", None) or 64]
+        want = getattr(self.a, "hessian_blocks", None)
+        if want and want > len(self.train_blocks):
+            from .pipeline import log
+            log(f"--hessian_blocks {want}: the dataset has {len(self.train_blocks)} train "
+                f"blocks; the input Hessians use all {len(self.train_blocks)} (raise "
+                "--n_train_blocks for more)")
+        calib = self.train_blocks[: want or 64]
         inputs = {"model": self.model_id(), "tokens": tokens_sha256(calib)}
         with self.timer("input Hessians"):
             return ensure_hessians(self.ctx, self.out / "hessians.npz", calib, inputs)

@@ -521,6 +521,7 @@ def choose_rounding(ctx: Context, menus, imatrix, cache: CandidateCache, hessian
             saved = {}
     table = saved.get("tensors", {})
     todo = []  # (spec, type, kind): the pairs whose saved score is missing or stale
+    eligible = 0
     for s in ctx.specs:
         n = s.gguf_name
         hh = heldout.get(n) if heldout else None
@@ -528,6 +529,7 @@ def choose_rounding(ctx: Context, menus, imatrix, cache: CandidateCache, hessian
             kg, kf = keys_g[(n, t)], keys_f[(n, t)]
             if kf.rounding == "ggml" or (hh is None and n != head_name):
                 continue
+            eligible += 1
             kind = "logit_kl" if n == head_name else "output_error"
             ent = table.get(n, {}).get(t)
             if ent and ent.get("ggml_key") == kg.digest and \
@@ -544,6 +546,10 @@ def choose_rounding(ctx: Context, menus, imatrix, cache: CandidateCache, hessian
             tmp.write_text(json.dumps({"heldout": heldout_id, "tensors": table}, indent=1))
             os.replace(tmp, path)
 
+    kept = eligible - len(todo)
+    if todo and kept and path is not None:  # an interrupted earlier run's scores (rounding.json) are reused
+        log(f"rounding choice: {kept} (tensor, type) pairs already scored in {path.name}; "
+            f"scoring the other {len(todo)}")
     prog = Progress(len(todo), "rounding choice: held-out error of both roundings",
                     unit="pair") if todo else None
     finished = False
