@@ -148,15 +148,17 @@ def check_feasible_here(need: dict, what: str, fix: str) -> None:
     """:func:`check_feasible` before Ray is up, for the local Ray a run without ``RAY_ADDRESS``
     starts: that Ray's one node has at most this machine's CPUs (``os.cpu_count()``) and the
     GPUs torch sees, so a larger per-worker (per-trial) request is refused before the data,
-    imatrix and candidates instead of after them. With ``RAY_ADDRESS`` set, Ray already up,
-    or ``VOODOO_ALLOW_PENDING=1``, nothing is checked here (the cluster's nodes are checked
-    once Ray is up). Raises ValueError in :func:`check_feasible`'s form."""
+    imatrix and candidates instead of after them. With Ray already up in this process, its
+    cluster's nodes are checked (:func:`check_feasible`); with ``RAY_ADDRESS`` set (Ray not up
+    yet) or ``VOODOO_ALLOW_PENDING=1``, nothing is checked here (the nodes are checked once Ray
+    is up). Raises ValueError in :func:`check_feasible`'s form."""
     need = {k: float(v) for k, v in need.items() if v}
-    if not need or os.environ.get("VOODOO_ALLOW_PENDING") or \
-            os.environ.get("RAY_ADDRESS", "").strip():
+    if not need or os.environ.get("VOODOO_ALLOW_PENDING"):
         return
     import ray
-    if ray.is_initialized():
+    if ray.is_initialized():  # this process is on a cluster already: its nodes
+        return check_feasible(need, what, fix)
+    if os.environ.get("RAY_ADDRESS", "").strip():
         return
     have = {"CPU": float(os.cpu_count() or 1)}
     if "GPU" in need:

@@ -900,7 +900,7 @@ def test_a_worker_request_this_machine_cannot_hold_is_refused_first(tiny_fixed, 
     (it was refused only once Ray was up, after data, imatrix and candidates)."""
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     monkeypatch.delenv("VOODOO_ALLOW_PENDING", raising=False)
-    n = (os.cpu_count() or 1) + 1
+    n = 4096  # more CPUs than any one node here (this machine, or a Ray an earlier test left up)
     out = tmp_path / "run"
     base = ["--model", str(tiny_fixed), "--output_dir", str(out),
             *[x for x in SMALL if x != "--no_ray"]]
@@ -909,7 +909,9 @@ def test_a_worker_request_this_machine_cannot_hold_is_refused_first(tiny_fixed, 
                              ("tune", ["--cpus_per_trial"], "--cpus_per_trial")):
         rc, _, err = run_cli([cmd, *base, *extra, str(n)])
         line = error_line(rc, err, cmd)
-        assert f"needs CPU {n}" in line and f"CPU {n - 1:g}" in line and flag in line, line
+        assert f"needs CPU {n}" in line and flag in line, line
+        if not __import__("ray").is_initialized():  # the local Ray's would-be node: this machine
+            assert f"has CPU {os.cpu_count():g} (this machine's)" in line, line
         nothing_written(out)
     rc, _, err = run_cli(["train", *base, "--ray", "--num_workers", "1", "--cpus_per_worker",
                           "-1"])  # nonsense on any machine
