@@ -546,8 +546,8 @@ def choose_rounding(ctx: Context, menus, imatrix, cache: CandidateCache, hessian
             tmp.write_text(json.dumps({"heldout": heldout_id, "tensors": table}, indent=1))
             os.replace(tmp, path)
 
-    kept = eligible - len(todo)
-    if todo and kept and path is not None:  # an interrupted earlier run's scores (rounding.json) are reused
+    kept = eligible - len(todo)  # scored by an interrupted earlier run (rounding.json)
+    if todo and kept and path is not None:
         log(f"rounding choice: {kept} (tensor, type) pairs already scored in {path.name}; "
             f"scoring the other {len(todo)}")
     prog = Progress(len(todo), "rounding choice: held-out error of both roundings",
