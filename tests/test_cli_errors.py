@@ -987,3 +987,38 @@ def test_eval_gguf_in_a_run_folder_uses_that_folder(tmp_path, capsys):
     a = SimpleNamespace(gguf=[str(other / "x.gguf")], output_dir=None)
     _gguf_run_folder(a)
     assert a.output_dir is None
+
+
+def test_data_default_takes_what_a_short_text_holds(tiny_fixed, tmp_path):  # noqa: F811
+    """``--n_train_blocks`` defaults to ``auto``: a text too short for the cap (192 blocks)
+    gives every block it holds instead of being refused, and the run reuses that folder; an
+    explicit number is still a demand, and a bad value is refused at parse time."""
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    from voodoo import cli
+    from voodoo.models import prepare_model
+    from voodoo.pipeline import ensure_dataset
+    out = tmp_path / "run"
+    txt = _calibration_text(tmp_path / "calib.txt")
+    rc, _, err = run_cli(["data", "--model", str(tiny_fixed), "--output_dir", str(out),
+                          "--data_name", str(txt), "--seq_len", "64"])
+    assert rc == 0, err[-2000:]
+    meta = json.loads((out / "data" / "meta.json").read_text())
+    n = meta["n_train_blocks"]
+    assert 4 < n < cli.AUTO_TRAIN_BLOCKS and meta["n_eval_blocks"] == 16, meta
+    assert meta["n_train_blocks_asked"] == f"up to {cli.AUTO_TRAIN_BLOCKS}", meta
+    ctx = SimpleNamespace(tokenizer=AutoTokenizer.from_pretrained(
+        prepare_model(str(tiny_fixed)).hf_dir))
+    before = (out / "data" / "train.pt").stat().st_mtime_ns
+    tr, ev, _ = ensure_dataset(ctx, out / "data", str(txt), 64, cli.AUTO_TRAIN_BLOCKS, 16, 0,
+                               up_to=True)
+    assert tr.shape == (n, 64) and ev.shape == (16, 64)
+    assert (out / "data" / "train.pt").stat().st_mtime_ns == before  # reused, not rebuilt
+    rc, _, err = run_cli(["data", "--model", str(tiny_fixed), "--output_dir", str(tmp_path / "b"),
+                          "--data_name", str(txt), "--seq_len", "64",
+                          "--n_train_blocks", str(n + 1)])
+    assert rc != 0 and "--n_train_blocks" in err, err[-2000:]
+    rc, _, err = run_cli(["data", "--model", str(tiny_fixed), "--n_train_blocks", "0"])
+    assert rc == 2 and "must be 'auto' or an integer >= 1, got '0'" in err, err[-2000:]

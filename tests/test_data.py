@@ -185,3 +185,30 @@ def test_bom_and_folder_sources(tmp_path):
                 check_source(arg)
         finally:
             os.chdir(cwd)
+
+
+def test_up_to_takes_what_the_text_holds(smol_tokenizer, jsonl_source, tmp_path):
+    """``up_to=True`` (the CLI's ``--n_train_blocks auto``): a cap, not a demand. A text with
+    fewer train tokens gives every whole block it holds (the same blocks a demand for exactly
+    that many gives), one with more stops at the cap; the meta says what was asked. Without it
+    the same cap is refused, naming the flag."""
+    full = vd.build_dataset(smol_tokenizer, jsonl_source, tmp_path / "all", seq_len=16,
+                            n_train_blocks=None, n_eval_blocks=2)
+    n = full["n_train_blocks"]
+    assert n > 4
+    m = vd.build_dataset(smol_tokenizer, jsonl_source, tmp_path / "big", seq_len=16,
+                         n_train_blocks=10_000, n_eval_blocks=2, up_to=True)
+    assert m["n_train_blocks"] == n and m["n_train_blocks_asked"] == "up to 10000"
+    exact = vd.build_dataset(smol_tokenizer, jsonl_source, tmp_path / "exact", seq_len=16,
+                             n_train_blocks=n, n_eval_blocks=2)
+    assert torch.equal(vd.load_dataset_dir(tmp_path / "big")[0],
+                       vd.load_dataset_dir(tmp_path / "exact")[0])
+    assert exact["n_train_blocks_asked"] == n
+    capped = vd.build_dataset(smol_tokenizer, jsonl_source, tmp_path / "cap", seq_len=16,
+                              n_train_blocks=3, n_eval_blocks=2, up_to=True)
+    tr = vd.load_dataset_dir(tmp_path / "cap")[0]
+    assert capped["n_train_blocks"] == 3 and torch.equal(tr, vd.load_dataset_dir(
+        tmp_path / "exact")[0][:3])
+    with pytest.raises(vd.DatasetError, match="fewer than.*--n_train_blocks"):
+        vd.build_dataset(smol_tokenizer, jsonl_source, tmp_path / "no", seq_len=16,
+                         n_train_blocks=n + 1, n_eval_blocks=2)

@@ -127,3 +127,19 @@ def test_a_journal_of_other_candidate_bytes_names_them_and_the_way_to_resume(
     assert "input Hessians" not in se  # refused before the stages
     rc, so, se = run_cli(argv + ["--rounding", "ggml"])
     assert rc == 0, se[-3000:]
+
+
+def test_a_journal_of_other_hessian_blocks_names_the_way_to_resume(tiny_fixed, tmp_path):  # noqa: F811,E501
+    """A folder trained with other input-Hessian blocks (e.g. the default of 64 before
+    2026-12-05, now 192), trained again without --hessian_blocks: refused, naming the flag and
+    the value to resume with; with it the folder trains on."""
+    out = tmp_path / "run"
+    argv = ["train", "--model", str(tiny_fixed), "--output_dir", str(out), *SMALL,
+            "--rounding", "gptq"]
+    rc, so, se = run_cli(argv + ["--hessian_blocks", "4"])
+    assert rc == 0, se[-3000:]
+    rc, so, se = run_cli(argv)
+    line = error_line(rc, se)
+    assert "hessian_blocks" in line and "resume it with --hessian_blocks 4" in line, line
+    rc, so, se = run_cli(argv + ["--hessian_blocks", "4"])
+    assert rc == 0, se[-3000:]

@@ -392,7 +392,7 @@ def _token_stream(tokenizer, docs: Sequence[str], eos: int, n_tokens: int | None
 
 
 def _blocks(ids: list[int], seq_len: int, n_blocks: int | None) -> torch.Tensor:
-    n = len(ids) // seq_len if n_blocks is None else n_blocks
+    n = len(ids) // seq_len if n_blocks is None else min(n_blocks, len(ids) // seq_len)
     return torch.tensor(ids[:n * seq_len], dtype=torch.long).reshape(n, seq_len)
 
 
@@ -404,11 +404,13 @@ _NEED_MORE = (" (ask for fewer blocks with --n_eval_blocks/--n_train_blocks, a s
 def build_dataset(tokenizer, source: str | os.PathLike = DEFAULT_SOURCE,
                   output_dir: str | os.PathLike = "data", seq_len: int = 512,
                   n_train_blocks: int | None = 128, n_eval_blocks: int = 16,
-                  seed: int = 0) -> dict:
+                  seed: int = 0, up_to: bool = False) -> dict:
     """Builds a dataset folder (``train.pt``, ``eval.pt``, ``meta.json``) and returns the meta.
 
     ``tokenizer``: a transformers tokenizer with an EOS token. ``seq_len``: tokens per block.
     ``n_train_blocks``: train blocks (None: every block the train documents give);
+    ``up_to``: ``n_train_blocks`` is a cap, not a demand: fewer (at least one) when the text
+    holds fewer (the CLI's ``--n_train_blocks auto``);
     ``n_eval_blocks``: eval blocks (may be 0). Documents are shuffled with ``seed``; eval takes
     leading documents until it has ``n_eval_blocks * seq_len`` tokens, train the documents after
     them, so no document is in both. Same tokenizer, source, sizes and seed → identical files.
@@ -444,7 +446,7 @@ def build_dataset(tokenizer, source: str | os.PathLike = DEFAULT_SOURCE,
         # one document): the token stream is split instead, eval = its last n_eval_tok tokens,
         # train = what comes before them, so the two still share no text
         stream, _ = _token_stream(tokenizer, shuffled, eos, None)
-        if len(stream) - n_eval_tok < max(seq_len, n_train_tok or 0):
+        if len(stream) - n_eval_tok < max(seq_len, 0 if up_to else n_train_tok or 0):
             raise DatasetError(f"{desc}: {len(stream)} tokens in all; {n_eval_blocks} eval "
                                f"blocks and {n_train_blocks or 1} train block(s) of {seq_len} "
                                f"need more{_NEED_MORE}")
@@ -457,7 +459,7 @@ def build_dataset(tokenizer, source: str | os.PathLike = DEFAULT_SOURCE,
     else:
         train_docs = shuffled[n_eval_docs:]
         train_ids, n_train_docs = _token_stream(tokenizer, train_docs, eos, n_train_tok)
-    if n_train_tok is not None and len(train_ids) < n_train_tok:
+    if n_train_tok is not None and len(train_ids) < n_train_tok and not up_to:
         raise DatasetError(f"{desc}: the {len(train_docs)} train documents give "
                            f"{len(train_ids)} tokens, fewer than the {n_train_tok} that "
                            f"{n_train_blocks} train blocks of {seq_len} need{_NEED_MORE}")
@@ -480,6 +482,8 @@ def build_dataset(tokenizer, source: str | os.PathLike = DEFAULT_SOURCE,
         "seed": seed,
         "seq_len": seq_len,
         "n_train_blocks": int(train.shape[0]),
+        "n_train_blocks_asked": (f"up to {n_train_blocks}" if up_to and n_train_blocks
+                                 else n_train_blocks),
         "n_eval_blocks": int(evalb.shape[0]),
         "n_documents": len(docs),
         "n_eval_documents": n_eval_docs,

@@ -261,11 +261,15 @@ def file_overhead_bytes(ctx: Context) -> int:
 
 # ------------------------------------------------------------------------------- data
 def ensure_dataset(ctx: Context, data_dir, source="enwiki", seq_len=512, n_train=64,
-                   n_eval=8, seed=0):
-    """Loads ``data_dir`` if it holds a dataset with ``seq_len``, else builds it
-    (:func:`voodoo.data.build_dataset`). Returns (train, eval, meta)."""
+                   n_eval=8, seed=0, up_to=False):
+    """Loads ``data_dir`` if it holds a dataset with ``seq_len`` and enough blocks, else builds
+    it (:func:`voodoo.data.build_dataset`). ``up_to``: ``n_train`` is a cap (as many train
+    blocks as the text holds, up to it; a folder built that way with the same cap, or one with
+    at least that many, is reused), else a demand. Returns (train, eval, meta)."""
     from .data import DatasetError, build_dataset, load_dataset_dir
     data_dir = Path(data_dir)
+    auto = bool(up_to)
+    want = int(n_train)
     if (data_dir / "meta.json").is_file():
         try:
             from .data import tokenizer_fingerprint
@@ -273,18 +277,23 @@ def ensure_dataset(ctx: Context, data_dir, source="enwiki", seq_len=512, n_train
             same = (meta.get("source_arg") == str(source) and meta.get("seed") == seed and
                     (meta.get("tokenizer") or {}).get("sha256") ==
                     tokenizer_fingerprint(ctx.tokenizer)["sha256"])
-            if same and tr.shape[1] == seq_len and tr.shape[0] >= n_train and \
-                    ev.shape[0] >= n_eval:
-                return tr[:n_train], ev[:n_eval], meta
+            enough = tr.shape[0] >= want or (
+                auto and meta.get("n_train_blocks_asked") == f"up to {want}")
+            if same and tr.shape[1] == seq_len and enough and ev.shape[0] >= n_eval:
+                return tr[:want], ev[:n_eval], meta
             log(f"{data_dir} holds {tr.shape[0]} train blocks of {tr.shape[1]} tokens from "
                 f"{meta.get('source_arg', meta.get('source'))!r} (seed {meta.get('seed')}); "
-                f"rebuilding for {source!r}, seq_len={seq_len}, {n_train} train blocks, "
-                f"seed {seed}")
+                f"rebuilding for {source!r}, seq_len={seq_len}, "
+                f"{f'up to {want}' if auto else want} train blocks, seed {seed}")
         except DatasetError as e:
             log(f"{data_dir}: {e}; rebuilding")
-    build_dataset(ctx.tokenizer, source, data_dir, seq_len=seq_len, n_train_blocks=n_train,
-                  n_eval_blocks=n_eval, seed=seed)
+    build_dataset(ctx.tokenizer, source, data_dir, seq_len=seq_len, n_train_blocks=want,
+                  n_eval_blocks=n_eval, seed=seed, up_to=auto)
     tr, ev, meta = load_dataset_dir(data_dir)
+    if auto and tr.shape[0] < want:
+        log(f"the text holds {tr.shape[0]} train blocks of {seq_len} "
+            f"tokens after the {ev.shape[0]} eval blocks; using all {tr.shape[0]} (up to {want} "
+            "with a longer --data_name text)")
     return tr, ev, meta
 
 
