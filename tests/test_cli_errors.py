@@ -773,7 +773,7 @@ def test_relative_output_dir_in_a_ray_job_copy(tmp_path, monkeypatch):
     (["train", "--match_size", "0"], "must be > 0"),
     (["train", "--imatrix_blocks", "0"], "--imatrix_blocks: must be an integer >= 1"),
     (["train", "--hessian_blocks", "-1"], "--hessian_blocks: must be an integer >= 1"),
-    (["train", "--n_train_blocks", "0"], "--n_train_blocks: must be an integer >= 1"),
+    (["train", "--n_train_blocks", "0"], "--n_train_blocks: must be 'auto' or an integer >= 1"),
     (["train", "--seq_len", "1"], "--seq_len: must be an integer >= 2"),
     (["train", "--seed", "-1"], "--seed: must be an integer >= 0"),
     (["train", "--size_tolerance", "-1"], "--size_tolerance: must be a finite number >= 0"),
