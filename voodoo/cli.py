@@ -70,7 +70,7 @@ class HelpFormatter(argparse.HelpFormatter):
 
 def _train_blocks(text):
     """``--n_train_blocks``: an integer >= 1 (the text must hold that many), or ``auto``: as
-    many as it holds, up to :data:`voodoo.data.AUTO_TRAIN_BLOCKS`."""
+    many as it holds, up to :data:`AUTO_TRAIN_BLOCKS`."""
     if str(text).strip().lower() == "auto":
         return "auto"
     try:
@@ -78,6 +78,14 @@ def _train_blocks(text):
     except argparse.ArgumentTypeError:
         raise argparse.ArgumentTypeError(f"must be 'auto' or an integer >= 1, got {text!r}") \
             from None
+
+
+def _train_blocks_asked(a) -> tuple[int, bool]:
+    """``(n, up_to)`` for :func:`voodoo.data.build_dataset`/:func:`voodoo.pipeline.ensure_dataset`
+    from ``a.n_train_blocks``: ``auto`` is a cap of :data:`AUTO_TRAIN_BLOCKS`, a number a
+    demand."""
+    auto = a.n_train_blocks == "auto"
+    return (AUTO_TRAIN_BLOCKS if auto else a.n_train_blocks), auto
 
 
 def _int_at_least(lo: int):
@@ -1071,11 +1079,10 @@ class Run:
         a = self.a
         with self.timer("data"):
             d = Path(a.data_dir) if a.data_dir else self.out / "data"
-            auto = a.n_train_blocks == "auto"
+            n_train, up_to = _train_blocks_asked(a)
             self.train_blocks, self.eval_blocks, self.meta = ensure_dataset(
-                self.ctx, d, a.data_name, a.seq_len,
-                AUTO_TRAIN_BLOCKS if auto else a.n_train_blocks, a.n_eval_blocks, a.seed,
-                up_to=auto)
+                self.ctx, d, a.data_name, a.seq_len, n_train, a.n_eval_blocks, a.seed,
+                up_to=up_to)
         if hasattr(a, "skip_preflight"):
             self.preflight()
         return self.train_blocks, self.eval_blocks
@@ -1708,10 +1715,9 @@ def _data(argv):
         _check_seq_len(a, config)
     out = Path(a.data_dir or (Path(a.output_dir or "runs/" + prepared.name) / "data"))
     _check_not_in_ray_job_copy(out)
-    auto = a.n_train_blocks == "auto"
-    meta = build_dataset(tok, a.data_name, out, a.seq_len,
-                         AUTO_TRAIN_BLOCKS if auto else a.n_train_blocks, a.n_eval_blocks,
-                         a.seed, up_to=auto)
+    n_train, up_to = _train_blocks_asked(a)
+    meta = build_dataset(tok, a.data_name, out, a.seq_len, n_train, a.n_eval_blocks, a.seed,
+                         up_to=up_to)
     print(json.dumps({k: meta[k] for k in meta if k in ("n_train_blocks", "n_eval_blocks",
                                                         "seq_len", "source")}, default=str))
     print(f"wrote {out}")

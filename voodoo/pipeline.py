@@ -268,7 +268,6 @@ def ensure_dataset(ctx: Context, data_dir, source="enwiki", seq_len=512, n_train
     at least that many, is reused), else a demand. Returns (train, eval, meta)."""
     from .data import DatasetError, build_dataset, load_dataset_dir
     data_dir = Path(data_dir)
-    auto = bool(up_to)
     want = int(n_train)
     if (data_dir / "meta.json").is_file():
         try:
@@ -278,19 +277,19 @@ def ensure_dataset(ctx: Context, data_dir, source="enwiki", seq_len=512, n_train
                     (meta.get("tokenizer") or {}).get("sha256") ==
                     tokenizer_fingerprint(ctx.tokenizer)["sha256"])
             enough = tr.shape[0] >= want or (
-                auto and meta.get("n_train_blocks_asked") == f"up to {want}")
+                up_to and meta.get("n_train_blocks_asked") == f"up to {want}")
             if same and tr.shape[1] == seq_len and enough and ev.shape[0] >= n_eval:
                 return tr[:want], ev[:n_eval], meta
             log(f"{data_dir} holds {tr.shape[0]} train blocks of {tr.shape[1]} tokens from "
                 f"{meta.get('source_arg', meta.get('source'))!r} (seed {meta.get('seed')}); "
                 f"rebuilding for {source!r}, seq_len={seq_len}, "
-                f"{f'up to {want}' if auto else want} train blocks, seed {seed}")
+                f"{f'up to {want}' if up_to else want} train blocks, seed {seed}")
         except DatasetError as e:
             log(f"{data_dir}: {e}; rebuilding")
     build_dataset(ctx.tokenizer, source, data_dir, seq_len=seq_len, n_train_blocks=want,
-                  n_eval_blocks=n_eval, seed=seed, up_to=auto)
+                  n_eval_blocks=n_eval, seed=seed, up_to=up_to)
     tr, ev, meta = load_dataset_dir(data_dir)
-    if auto and tr.shape[0] < want:
+    if up_to and tr.shape[0] < want:
         log(f"the text holds {tr.shape[0]} train blocks of {seq_len} "
             f"tokens after the {ev.shape[0]} eval blocks; using all {tr.shape[0]} (up to {want} "
             "with a longer --data_name text)")
