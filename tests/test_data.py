@@ -212,3 +212,17 @@ def test_up_to_takes_what_the_text_holds(smol_tokenizer, jsonl_source, tmp_path)
     with pytest.raises(vd.DatasetError, match="fewer than.*--n_train_blocks"):
         vd.build_dataset(smol_tokenizer, jsonl_source, tmp_path / "no", seq_len=16,
                          n_train_blocks=n + 1, n_eval_blocks=2)
+
+
+def test_too_short_names_what_fits(smol_tokenizer, tmp_path):
+    """A text too short for the eval blocks says how many fit; under ``up_to`` a text that
+    leaves no train block after them names one train block (the cap is no demand)."""
+    txt = tmp_path / "book.txt"
+    txt.write_text("\n\n".join(_docs(30)))
+    n = len(smol_tokenizer(txt.read_text().strip(), add_special_tokens=False)["input_ids"])
+    with pytest.raises(vd.DatasetError, match=rf"at most {n // 16} fit"):
+        vd.build_dataset(smol_tokenizer, txt, tmp_path / "a", seq_len=16,
+                         n_train_blocks=4, n_eval_blocks=n // 16 + 1)
+    with pytest.raises(vd.DatasetError, match=r"eval blocks and 1 train block\(s\) of 16"):
+        vd.build_dataset(smol_tokenizer, txt, tmp_path / "b", seq_len=16,
+                         n_train_blocks=192, n_eval_blocks=n // 16, up_to=True)

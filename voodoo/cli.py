@@ -1718,8 +1718,9 @@ def _data(argv):
     n_train, up_to = _train_blocks_asked(a)
     meta = build_dataset(tok, a.data_name, out, a.seq_len, n_train, a.n_eval_blocks, a.seed,
                          up_to=up_to)
-    print(json.dumps({k: meta[k] for k in meta if k in ("n_train_blocks", "n_eval_blocks",
-                                                        "seq_len", "source")}, default=str))
+    print(json.dumps({k: meta[k] for k in meta if k in ("n_train_blocks", "n_train_blocks_asked",
+                                                        "n_eval_blocks", "seq_len", "source")},
+                     default=str))
     print(f"wrote {out}")
     return 0
 

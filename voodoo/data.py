@@ -436,9 +436,10 @@ def build_dataset(tokenizer, source: str | os.PathLike = DEFAULT_SOURCE,
     if n_eval_blocks:
         eval_ids, n_eval_docs = _token_stream(tokenizer, shuffled, eos, n_eval_tok)
         if len(eval_ids) < n_eval_tok:
-            raise DatasetError(f"{desc}: all {len(docs)} documents give {len(eval_ids)} tokens, "
-                               f"fewer than the {n_eval_tok} that {n_eval_blocks} eval blocks "
-                               f"of {seq_len} need{_NEED_MORE}")
+            raise DatasetError(f"{desc}: all {len(docs)} document(s) give {len(eval_ids)} "
+                               f"tokens, fewer than the {n_eval_tok} that {n_eval_blocks} eval "
+                               f"blocks of {seq_len} need (at most "
+                               f"{len(eval_ids) // seq_len} fit){_NEED_MORE}")
     else:
         eval_ids, n_eval_docs = [], 0
     if n_eval_blocks and n_eval_docs >= len(docs):
@@ -448,7 +449,8 @@ def build_dataset(tokenizer, source: str | os.PathLike = DEFAULT_SOURCE,
         stream, _ = _token_stream(tokenizer, shuffled, eos, None)
         if len(stream) - n_eval_tok < max(seq_len, 0 if up_to else n_train_tok or 0):
             raise DatasetError(f"{desc}: {len(stream)} tokens in all; {n_eval_blocks} eval "
-                               f"blocks and {n_train_blocks or 1} train block(s) of {seq_len} "
+                               f"blocks and {1 if up_to else n_train_blocks or 1} train "
+                               f"block(s) of {seq_len} "
                                f"need more{_NEED_MORE}")
         split = "tokens"
         warnings.warn(f"{desc}: {len(docs)} document(s), too few to keep eval and train "
