@@ -991,8 +991,9 @@ def test_eval_gguf_in_a_run_folder_uses_that_folder(tmp_path, capsys):
 
 def test_data_default_takes_what_a_short_text_holds(tiny_fixed, tmp_path):  # noqa: F811
     """``--n_train_blocks`` defaults to ``auto``: a text too short for the cap (192 blocks)
-    gives every block it holds instead of being refused, and the run reuses that folder; an
-    explicit number is still a demand, and a bad value is refused at parse time."""
+    gives every block it holds instead of being refused, and the run reuses that folder until
+    the text changes; an explicit number is still a demand, and a bad value is refused at parse
+    time."""
     from types import SimpleNamespace
 
     from transformers import AutoTokenizer
@@ -1022,3 +1023,8 @@ def test_data_default_takes_what_a_short_text_holds(tiny_fixed, tmp_path):  # no
     assert rc != 0 and "--n_train_blocks" in err, err[-2000:]
     rc, _, err = run_cli(["data", "--model", str(tiny_fixed), "--n_train_blocks", "0"])
     assert rc == 2 and "must be 'auto' or an integer >= 1, got '0'" in err, err[-2000:]
+    text = txt.read_text()
+    txt.write_text(text + "\n\n" + text)  # the user's text grows: the folder is rebuilt
+    tr, _, meta = ensure_dataset(ctx, out / "data", str(txt), 64, cli.AUTO_TRAIN_BLOCKS, 16, 0,
+                                 up_to=True)
+    assert tr.shape[0] > n and meta["n_train_blocks"] == tr.shape[0], meta

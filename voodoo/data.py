@@ -325,6 +325,20 @@ def check_source(source: str | os.PathLike) -> None:
                            "out for the default enwiki text")
 
 
+def local_source_description(source: str | os.PathLike) -> str | None:
+    """The ``source`` entry that :func:`build_dataset` would write to meta.json for a local
+    ``.txt``/``.jsonl``/``.parquet`` file as it is now (its resolved path and sha256), so a
+    dataset folder built from an older version of the file can be told apart; None for the
+    default enwiki text, a hub dataset, or a path that is not a file."""
+    s = str(source)
+    if s == DEFAULT_SOURCE or s.startswith("hf:"):
+        return None
+    p = Path(s).expanduser()
+    if not p.is_file():
+        return None
+    return f"{p.resolve()} (sha256 {_sha256_file(p)})"
+
+
 def read_documents(source: str | os.PathLike) -> tuple[list[str], str]:
     """Reads a source into a list of documents (strings, file order) and a canonical source
     description for meta.json. See the module docstring for the sources.
@@ -342,7 +356,7 @@ def read_documents(source: str | os.PathLike) -> tuple[list[str], str]:
         if hub is None and p.is_file():
             suffix = p.suffix.lower()
             docs = {".txt": _read_txt, ".jsonl": _read_jsonl, ".parquet": _read_parquet}[suffix](p)
-            desc = f"{p.resolve()} (sha256 {_sha256_file(p)})"
+            desc = local_source_description(p)
             if re.search(r"wiki.*test|test.*wiki", p.name, re.I):
                 warnings.warn(f"{p.name} looks like an evaluation split (wikitext test?); "
                               "calibrating on evaluation text makes the evaluation meaningless",
@@ -448,10 +462,13 @@ def build_dataset(tokenizer, source: str | os.PathLike = DEFAULT_SOURCE,
         # train = what comes before them, so the two still share no text
         stream, _ = _token_stream(tokenizer, shuffled, eos, None)
         if len(stream) - n_eval_tok < max(seq_len, 0 if up_to else n_train_tok or 0):
+            fit = max(0, len(stream) - n_eval_tok) // seq_len
             raise DatasetError(f"{desc}: {len(stream)} tokens in all; {n_eval_blocks} eval "
                                f"blocks and {1 if up_to else n_train_blocks or 1} train "
                                f"block(s) of {seq_len} "
-                               f"need more{_NEED_MORE}")
+                               f"need more ({fit} train block(s) fit after the eval blocks"
+                               f"{'; --n_train_blocks auto takes them' if fit else ''})"
+                               f"{_NEED_MORE}")
         split = "tokens"
         warnings.warn(f"{desc}: {len(docs)} document(s), too few to keep eval and train "
                       f"documents apart; eval takes the last {n_eval_tok} tokens of the text "
@@ -462,9 +479,12 @@ def build_dataset(tokenizer, source: str | os.PathLike = DEFAULT_SOURCE,
         train_docs = shuffled[n_eval_docs:]
         train_ids, n_train_docs = _token_stream(tokenizer, train_docs, eos, n_train_tok)
     if n_train_tok is not None and len(train_ids) < n_train_tok and not up_to:
+        fit = len(train_ids) // seq_len
         raise DatasetError(f"{desc}: the {len(train_docs)} train documents give "
                            f"{len(train_ids)} tokens, fewer than the {n_train_tok} that "
-                           f"{n_train_blocks} train blocks of {seq_len} need{_NEED_MORE}")
+                           f"{n_train_blocks} train blocks of {seq_len} need ({fit} fit"
+                           f"{'; --n_train_blocks auto takes them' if fit else ''})"
+                           f"{_NEED_MORE}")
     train = _blocks(train_ids, seq_len, n_train_blocks)
     if train.shape[0] == 0:
         raise DatasetError(f"{desc}: not enough train tokens for one block of {seq_len}"

@@ -263,7 +263,8 @@ def file_overhead_bytes(ctx: Context) -> int:
 def ensure_dataset(ctx: Context, data_dir, source="enwiki", seq_len=512, n_train=64,
                    n_eval=8, seed=0, up_to=False):
     """Loads ``data_dir`` if it holds a dataset with ``seq_len`` and enough blocks, else builds
-    it (:func:`voodoo.data.build_dataset`). ``up_to``: ``n_train`` is a cap (as many train
+    it (:func:`voodoo.data.build_dataset`); a folder built from a local text file that has
+    changed since (its sha256 in meta.json) is rebuilt. ``up_to``: ``n_train`` is a cap (as many train
     blocks as the text holds, up to it; a folder built that way with the same cap, or one with
     at least that many, is reused), else a demand. Returns (train, eval, meta)."""
     from .data import DatasetError, build_dataset, load_dataset_dir
@@ -271,17 +272,20 @@ def ensure_dataset(ctx: Context, data_dir, source="enwiki", seq_len=512, n_train
     want = int(n_train)
     if (data_dir / "meta.json").is_file():
         try:
-            from .data import tokenizer_fingerprint
+            from .data import local_source_description, tokenizer_fingerprint
             tr, ev, meta = load_dataset_dir(data_dir)
+            now = local_source_description(source)  # a local file: as it is now
+            edited = now is not None and meta.get("source") != now
             same = (meta.get("source_arg") == str(source) and meta.get("seed") == seed and
                     (meta.get("tokenizer") or {}).get("sha256") ==
-                    tokenizer_fingerprint(ctx.tokenizer)["sha256"])
+                    tokenizer_fingerprint(ctx.tokenizer)["sha256"] and not edited)
             enough = tr.shape[0] >= want or (
                 up_to and meta.get("n_train_blocks_asked") == f"up to {want}")
             if same and tr.shape[1] == seq_len and enough and ev.shape[0] >= n_eval:
                 return tr[:want], ev[:n_eval], meta
             log(f"{data_dir} holds {tr.shape[0]} train blocks of {tr.shape[1]} tokens from "
-                f"{meta.get('source_arg', meta.get('source'))!r} (seed {meta.get('seed')}); "
+                f"{meta.get('source_arg', meta.get('source'))!r} (seed {meta.get('seed')})"
+                f"{' as it was before an edit' if edited else ''}; "
                 f"rebuilding for {source!r}, seq_len={seq_len}, "
                 f"{f'up to {want}' if up_to else want} train blocks, seed {seed}")
         except DatasetError as e:
