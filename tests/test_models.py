@@ -236,6 +236,46 @@ def test_converter_sees_raw_config_keys_transformers_drops(tmp_path):
     assert res["kld_mean"] < 1e-4 and res["same_top_p"] > 0.99, res
 
 
+def test_converter_failures_name_the_missing_piece(tiny_model_dir, tmp_path):
+    """When the converter fails for want of a config.json key it reads (a GPT-NeoX config
+    saved by transformers 5, with ``rotary_pct`` only inside ``rope_parameters``) or of the
+    tokenizer files, the error names the key and the file to add it to, or the tokenizer files
+    to copy; the converter's own output tail stays in the message."""
+    import shutil
+    import sys
+    from pathlib import Path
+
+    from voodoo.llamacpp import LlamaCppNotBuilt, source_dir
+    try:
+        source_dir()
+    except LlamaCppNotBuilt as e:
+        pytest.skip(str(e))
+    sys.path.insert(0, str(Path(__file__).parent))
+    from zoo import _build
+
+    d = _build("GPTNeoXForCausalLM", dict(
+        model_type="gpt_neox", hidden_size=128, intermediate_size=512, num_hidden_layers=2,
+        num_attention_heads=4, rotary_pct=0.25, tie_word_embeddings=False), {},
+        tmp_path / "neox", seed=0)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg.pop("rotary_pct", None)
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelPreparationError) as e:
+        prepare_model(d, work_dir=tmp_path / "w")
+    msg = str(e.value)
+    assert "reads 'rotary_pct' from config.json" in msg and str(d / "config.json") in msg, msg
+    assert "KeyError: 'rotary_pct'" in msg  # the converter's own words, still there
+
+    t = tmp_path / "no-tokenizer"
+    shutil.copytree(tiny_model_dir, t)
+    for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json",
+              "merges.txt", "special_tokens_map.json"):
+        (t / f).unlink(missing_ok=True)
+    with pytest.raises(ModelPreparationError) as e:
+        prepare_model(t, work_dir=tmp_path / "w2")
+    assert "copy the model's original tokenizer files" in str(e.value), str(e.value)
+
+
 def test_converter_shim_adds_only_absent_keys(tmp_path):
     """The hparams wrapper adds raw keys where absent or None (transformers 5 sets Nemotron-H's
     ``hybrid_override_pattern`` to None; also inside sub-dicts both have) and never overrides a

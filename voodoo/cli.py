@@ -1139,7 +1139,9 @@ class Run:
         rec = {"base_sha256": key, "ok": ok, "kld_mean": res.get("kld_mean"),
                "same_top_p": res.get("same_top_p"), "n_tokens": res.get("n_tokens")}
         kld = rec["kld_mean"]
-        kld = abs(kld) if isinstance(kld, float) and kld == 0 else kld  # llama.cpp prints -0.0
+        if isinstance(kld, float) and kld < 1e-5:
+            # at the 16-bit log-probs' resolution the estimate may come out a hair below zero
+            kld = "below 1e-05"
         log(f"pre-flight: llama.cpp on {base.name} vs transformers: KLD {kld} "
             f"nats/token, same top-1 {rec['same_top_p']} on {rec['n_tokens']} positions")
         write_json(path, rec)
@@ -2207,7 +2209,10 @@ def _write_eval_split(r) -> Path:
     ``--eval_text`` and no ../shared/data/wikitext-2-raw-test.txt."""
     from .fsutil import atomic_write_text
     text = r.out / "eval" / "eval-split.txt"
-    atomic_write_text(text, "\n".join(r.ctx.tokenizer.decode(b) for b in r.eval_blocks))
+    from .llamatext import llama_join
+    atomic_write_text(text, llama_join(r.ctx.prepared.base_gguf,
+                                       (r.ctx.tokenizer.decode(b) for b in r.eval_blocks),
+                                       "the eval split"))
     print(f"[voodoo] no --eval_text and no ../shared/data/wikitext-2-raw-test.txt: measuring on "
           f"the eval split of {r.a.data_name} ({len(r.eval_blocks)} blocks), {text}",
           file=sys.stderr, flush=True)

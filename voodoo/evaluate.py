@@ -24,6 +24,7 @@ from typing import Iterable, Mapping, Sequence
 import torch
 
 from .fsutil import atomic_write_text, sha256_file
+from .llamatext import readable_text
 
 from voodoo.llamacpp import LlamaCppNotBuilt, cache_root, llama_cpp_commit, tool_env, tool_path
 
@@ -307,6 +308,7 @@ def kld_base(reference_gguf: str | os.PathLike, text_file: str | os.PathLike, ct
     for p in (ref, text):
         if not p.is_file():
             raise FileNotFoundError(p)
+    text = readable_text(ref, text)  # a vocabulary that cannot read it would abort the tool
     key_src = json.dumps({"model": _sha256_file(ref), "text": _sha256_file(text), "ctx": ctx,
                           "chunks": chunks, "llama.cpp": llama_cpp_commit()}, sort_keys=True)
     key = hashlib.sha256(key_src.encode()).hexdigest()[:24]
@@ -361,6 +363,7 @@ def run_perplexity(gguf: str | os.PathLike, text_file: str | os.PathLike, ctx: i
     for p in (model, text):
         if not p.is_file():
             raise FileNotFoundError(p)
+    text = readable_text(model, text)  # a vocabulary that cannot read it would abort the tool
     exe = str(tool_path("llama-perplexity"))
     if kl_base is None:
         out = _run_tool([exe, "-m", str(model), "-f", str(text),

@@ -391,12 +391,14 @@ def llama_imatrix(base_gguf: str | os.PathLike, blocks, out_path: str | os.PathL
     import tempfile
 
     from .llamacpp import tool_env, tool_path
+    from .llamatext import llama_join
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     n, t = int(blocks.shape[0]), int(blocks.shape[1])
     with tempfile.TemporaryDirectory(dir=out_path.parent) as tmp:
         text = Path(tmp) / "calibration.txt"
-        text.write_text("\n".join(tokenizer.decode(b.tolist()) for b in blocks) + "\n")
+        text.write_text(llama_join(base_gguf, (tokenizer.decode(b.tolist()) for b in blocks),
+                                   "the calibration text for llama-imatrix"))
         part = Path(tmp) / "imatrix.gguf"
         cmd = [str(tool_path("llama-imatrix")), "-m", str(base_gguf), "-f", str(text),
                "-o", str(part), "-c", str(t), "--chunks", str(n), "--no-ppl",

@@ -620,6 +620,22 @@ def _converter_reason(hf_dir: Path, log: str) -> str:
         arch = (m.group(1) or m.group(2)) if m else "this architecture"
         why = (f"llama.cpp's converter (pinned commit) does not support {arch}; pass a .gguf "
                "of the model made by a llama.cpp that does")
+    elif re.search(r"Cannot find Llama BPE tokenizer|FileNotFoundError:.*tokenizer|"
+                   r"Couldn't instantiate the backend tokenizer", tail):
+        why = ("llama.cpp's converter could not read the tokenizer the way it reads this "
+               "family's: copy the model's original tokenizer files beside config.json "
+               "(tokenizer.model for SentencePiece families, tokenizer.json and "
+               "tokenizer_config.json for BPE ones)")
+    elif (m := re.search(r"hparams\[[\"']([^\"']+)[\"']\][^\n]*\n(?:.*\n){0,3}?"
+                         r"\s*KeyError: '([^']+)'", tail)) and m.group(1) == m.group(2):
+        why = (f"llama.cpp's converter reads {m.group(1)!r} from config.json, and this "
+               f"config.json has no such key (transformers 5 leaves out some legacy keys when "
+               f"it saves a config): add \"{m.group(1)}\" with the model's value to "
+               f"{hf_dir / 'config.json'}")
+    elif m := re.search(r"KeyError: '([^']+)'", tail):
+        why = (f"llama.cpp's convert_hf_to_gguf.py failed looking up {m.group(1)!r} (a "
+               "config.json key or a special token the converter expects for this family: "
+               "the model's original config.json and tokenizer files have it)")
     else:
         why = "llama.cpp's convert_hf_to_gguf.py failed"
     return f"cannot convert {hf_dir} to GGUF: {why}.\nconverter output (end):\n{tail}"

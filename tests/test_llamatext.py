@@ -1,0 +1,73 @@
+"""Texts for llama.cpp's tools with a vocabulary that cannot read every character
+(``voodoo.llamatext``): SentencePiece without byte tokens (the zoo's tiny ``tokenizer.model``)
+aborts llama-perplexity and llama-imatrix on the first character it does not hold; Voodoo hands
+them a text they can read instead."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from zoo import make_tiny  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def spm_model():
+    from voodoo.llamacpp import LlamaCppNotBuilt, tool_path
+    try:
+        tool_path("llama-perplexity")
+        tool_path("llama-imatrix")
+    except LlamaCppNotBuilt as e:
+        pytest.skip(str(e))
+    from voodoo.models import prepare_model
+    return prepare_model(make_tiny("qwen2"))  # the zoo's SentencePiece, no byte tokens
+
+
+def _text(tmp_path) -> Path:
+    from voodoo.llamacpp import source_dir
+    body = (source_dir() / "docs" / "build.md").read_text(errors="replace")
+    p = tmp_path / "text.txt"
+    p.write_text("Snow \u2603 and caf\u00e9 \u4e2d.\n\n" + body * 2)
+    return p
+
+
+def test_untokenizable_names_what_the_vocabulary_lacks(spm_model):
+    from voodoo.llamatext import untokenizable
+    base = spm_model.base_gguf
+    bad = untokenizable(base, "snow \u2603\nthe")
+    assert "\n" in bad and "\u2603" in bad and not {"s", "n", "o", "w", " ", "t"} & set(bad)
+    # a byte-level BPE vocabulary (SmolLM2's) reads anything
+    smol = Path(make_tiny("llama"))
+    from voodoo.models import prepare_model
+    assert untokenizable(prepare_model(smol).base_gguf, "\u2603\n\x01") == []
+
+
+def test_perplexity_and_imatrix_read_a_text_the_vocabulary_cannot(spm_model, tmp_path, capfd):
+    """The raw tool aborts on the text (so this test can fail); through Voodoo it is scored on
+    a copy with the unreadable characters replaced, said once; llama-imatrix gets decoded
+    blocks joined so that it can read them."""
+    from voodoo.evaluate import run_perplexity
+    from voodoo.imatrix import llama_imatrix
+    from voodoo.llamacpp import tool_env, tool_path
+    base = spm_model.base_gguf
+    text = _text(tmp_path)
+    raw = subprocess.run([str(tool_path("llama-perplexity")), "-m", str(base), "-f", str(text),
+                          "-c", "64", "--chunks", "4"], capture_output=True, text=True,
+                         errors="replace", env=tool_env(), timeout=300)
+    assert raw.returncode != 0 and "out_of_range" in raw.stdout + raw.stderr
+    res = run_perplexity(base, text, ctx=64, chunks=4, kl_base=base)
+    assert res["kld"] < 1e-3 and np.isfinite(res["ppl"])  # the file against itself
+    err = capfd.readouterr().err
+    assert err.count("cannot read") == 1 and "'\\n'" in err and "'\u2603'" in err, err
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(spm_model.hf_dir)
+    ids = tok(text.read_text())["input_ids"]
+    blocks = torch.tensor(ids[:4 * 32]).reshape(4, 32)
+    out = llama_imatrix(base, blocks, tmp_path / "imatrix.gguf", tok, timeout=300)
+    assert out.is_file() and out.stat().st_size > 0
