@@ -97,16 +97,18 @@ class TuneBackend:
 
 def bake_student(student, gates: Mapping[str, torch.Tensor], budget: int,
                  tolerance: float = DEFAULT_TOLERANCE, temperature: float = 1.0,
-                 tensor_upgrades=None) -> dict:
+                 tensor_upgrades=None, **bake_options) -> dict:
     """:func:`voodoo.bake.bake` with the menus and byte sizes read from ``student``'s gates
-    (``MixedWeight.types``/``nbytes``). Raises ValueError when a gate has no type names, or
-    from bake (budget unreachable...)."""
+    (``MixedWeight.types``/``nbytes``); ``bake_options`` go to it as they are (``ceiling``,
+    ``ceiling_ref``, ``fill_costs``, ``fill_margin``). Raises ValueError when a gate has no
+    type names, or from bake (budget unreachable...)."""
     mws = mixed_weights(student)
     if any(m.types is None for m in mws.values()):
         raise ValueError("the student's gates have no type names; pass menus= to install_gates")
     menus = {n: list(m.types) for n, m in mws.items()}
     nb = {n: [int(b) for b in m.nbytes.tolist()] for n, m in mws.items()}
-    return bake(gates, menus, nb, budget, tensor_upgrades, tolerance, temperature)
+    return bake(gates, menus, nb, budget, tensor_upgrades, tolerance, temperature,
+                **bake_options)
 
 
 @torch.no_grad()
@@ -138,8 +140,12 @@ def eval_kl(student, teacher, blocks: torch.Tensor, batch_size: int = 4) -> floa
 
 
 def evaluate_assignment(job: StudentJob, gates: Mapping[str, torch.Tensor], budget: int,
-                        tolerance: float = DEFAULT_TOLERANCE) -> dict:
-    """Bakes ``gates`` on the (un-sharded) ``job``'s student and measures it.
+                        tolerance: float = DEFAULT_TOLERANCE,
+                        bake_options: Mapping | None = None) -> dict:
+    """Bakes ``gates`` on the (un-sharded) ``job``'s student and measures it. ``bake_options``:
+    keyword arguments of :func:`voodoo.bake.bake` (``tensor_upgrades``, ``ceiling``,
+    ``ceiling_ref``, ``fill_costs``, ``fill_margin``), so that the objective scores the
+    assignment the export would write (``voodoo tune`` passes its run's).
 
     Returns ``{"objective", "kl", "total_bytes", "budget_bytes", "ok", "assignment"}``:
     ``ok`` is False (and ``objective`` = :data:`FAIL_OBJECTIVE`, ``kl`` NaN) when bake raises
@@ -148,8 +154,10 @@ def evaluate_assignment(job: StudentJob, gates: Mapping[str, torch.Tensor], budg
     if job.eval_blocks is None or len(job.eval_blocks) == 0:
         raise ValueError("the job has no eval_blocks to measure the baked assignment on")
     load_gate_state(job.student, gates)
+    opts = dict(bake_options or {})
+    tolerance = opts.pop("tolerance", tolerance)
     try:
-        a = bake_student(job.student, gates, budget, tolerance)
+        a = bake_student(job.student, gates, budget, tolerance, **opts)
     except ValueError as e:
         return {"objective": FAIL_OBJECTIVE, "kl": math.nan, "total_bytes": -1,
                 "budget_bytes": int(budget), "ok": False, "assignment": None, "error": str(e)}
@@ -167,7 +175,7 @@ def evaluate_assignment(job: StudentJob, gates: Mapping[str, torch.Tensor], budg
 
 
 def _trial(config: dict, *, factory, base_cfg: dict, shared, checkpoint_every: int,
-           report_every: int, tolerance: float, init_logits=None) -> None:
+           report_every: int, tolerance: float, init_logits=None, bake_options=None) -> None:
     """One Tune trial: train (reporting the proxy objective), bake, report the objective."""
     from ray import tune
     cfg = TrainConfig.from_dict(dict(base_cfg))
@@ -177,7 +185,8 @@ def _trial(config: dict, *, factory, base_cfg: dict, shared, checkpoint_every: i
                 "checkpoint_every": checkpoint_every, "report_every": report_every,
                 "report_objective": True, "init_logits": init_logits}
     out = run_loop(loop_cfg, TuneBackend())
-    ev = evaluate_assignment(out["job"], out["gates"], out["budget_bytes"], tolerance)
+    ev = evaluate_assignment(out["job"], out["gates"], out["budget_bytes"], tolerance,
+                             bake_options)
     tune.report({OBJECTIVE: ev["objective"], "kl": ev["kl"], "total_bytes": ev["total_bytes"],
                  "budget_bytes": ev["budget_bytes"], "ok": ev["ok"], "step": out["step"],
                  "final": True})
@@ -193,7 +202,8 @@ def run_sweep(factory: Callable[[WorkerInfo], StudentJob], cfg: TrainConfig, *,
               cpus_per_trial: float = 1.0, gpus_per_trial: float = 0.0,
               checkpoint_every: int | None = None, report_every: int = 1,
               tolerance: float = DEFAULT_TOLERANCE, seed: int = 0,
-              print_table: bool = True, init_logits: dict | None = None) -> dict:
+              print_table: bool = True, init_logits: dict | None = None,
+              bake_options: dict | None = None) -> dict:
     """Sweeps ``size_weight`` (log-uniform over the range), ``size_tolerance`` (uniform) and,
     when ``lr`` is given, ``lr`` (log-uniform); minimises :data:`OBJECTIVE`.
 
@@ -206,7 +216,9 @@ def run_sweep(factory: Callable[[WorkerInfo], StudentJob], cfg: TrainConfig, *,
     a sweep already there with the same settings is continued (the module docstring), one
     with other settings refused. Prints
     the trials and the best config when ``print_table``. ``init_logits``: every trial's
-    starting gates (needed for ``cfg.gate_init == "fisher"``).
+    starting gates (needed for ``cfg.gate_init == "fisher"``). ``bake_options``: keyword
+    arguments of :func:`voodoo.bake.bake` for the bake that every finished trial's objective
+    scores (:func:`evaluate_assignment`), e.g. the run's fill costs and ``--match_size`` ceiling.
 
     Returns ``{"config": best param dict, "objective", "kl", "total_bytes", "budget_bytes",
     "trial_id", "checkpoint": the best trial's last checkpoint folder (its trained gates in
@@ -245,7 +257,7 @@ def run_sweep(factory: Callable[[WorkerInfo], StudentJob], cfg: TrainConfig, *,
     trainable = tune.with_parameters(
         _trial, factory=factory, base_cfg=cfg.to_dict(), shared=ref,
         checkpoint_every=ckpt_every, report_every=report_every, tolerance=tolerance,
-        init_logits=init_logits)
+        init_logits=init_logits, bake_options=bake_options)
     trainable = tune.with_resources(trainable, {"cpu": cpus_per_trial, "gpu": gpus_per_trial})
     storage = os.path.abspath(os.path.expanduser(str(storage_path or "~/ray_results")))
     path = os.path.join(storage, name)

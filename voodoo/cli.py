@@ -1585,19 +1585,32 @@ class Run:
             return None
         return self.bake_and_write(res.gates, res.budget_bytes)
 
+    def bake_options(self) -> dict:
+        """The keyword arguments of :func:`voodoo.bake.bake` (past the budget) that this run
+        bakes with: 0.5% tolerance, ``--tensor_upgrades``; under ``--match_size`` the target
+        file is a ceiling (at or under it, within 0.5%); with the Fisher prior the bytes the
+        gates leave unused are spent where it says they help most (the fill). ``voodoo tune``
+        scores its trials with the same."""
+        from .pipeline import FILL_MARGIN_BASE, prior_costs
+        a = self.a
+        ref = getattr(self, "target_file_bytes", None)
+        fill = (prior_costs(self.out / "train" / "sensitivity.json", self.menus)
+                if getattr(a, "gate_init", "fisher") == "fisher" else None)
+        return {"tensor_upgrades": a.tensor_upgrades, "tolerance": 0.005,
+                "ceiling": ref is not None, "ceiling_ref": ref, "fill_costs": fill,
+                "fill_margin": FILL_MARGIN_BASE + 32 * len(self.table)}
+
     def bake_and_write(self, gates, budget):
-        """Bakes ``gates`` (gguf_name -> logits) at ``budget`` bytes and writes
-        ``<stem>.assignment.json`` and ``<stem>.gates.pt`` in the run folder."""
-        from .pipeline import bake_assignment, prior_costs, write_json
+        """Bakes ``gates`` (gguf_name -> logits) at ``budget`` bytes (:meth:`bake_options`)
+        and writes ``<stem>.assignment.json`` and ``<stem>.gates.pt`` in the run folder."""
+        from .pipeline import bake_assignment, write_json
         a = self.a
         with self.timer("bake"):
-            # --match_size: the target file is a ceiling (at or under it, within 0.5%); bytes
-            # the gates leave unused are spent where the Fisher prior says they help most
+            o = self.bake_options()
             self.assignment = bake_assignment(
-                gates, self.menus, self.table, budget, a.tensor_upgrades, tolerance=0.005,
-                ceiling_ref=getattr(self, "target_file_bytes", None),
-                fill_costs=(prior_costs(self.out / "train" / "sensitivity.json", self.menus)
-                            if getattr(a, "gate_init", "fisher") == "fisher" else None))
+                gates, self.menus, self.table, budget, o["tensor_upgrades"],
+                tolerance=o["tolerance"], ceiling_ref=o["ceiling_ref"],
+                fill_costs=o["fill_costs"])
             self.stem = _stem(self.ctx, a, self.assignment)
             from .llamacpp import llama_cpp_commit
             self.assignment["model"] = str(Path(_model_arg(a)).resolve()) \
@@ -2365,7 +2378,7 @@ def _tune(argv):
                          storage_path=_ray_storage(a, r.out),
                          max_concurrent_trials=a.max_concurrent_trials,
                          cpus_per_trial=a.cpus_per_trial, gpus_per_trial=a.gpus_per_trial,
-                         seed=a.seed, init_logits=init)
+                         seed=a.seed, init_logits=init, bake_options=r.bake_options())
     from .pipeline import write_json
     write_json(r.out / "tune_best.json", {k: v for k, v in best.items() if k != "results"})
     if a.export:

@@ -150,3 +150,5 @@ def test_voodoo_tune(tiny_fixed, tmp_path, ray_up):
     assert 1.0 <= best["config"]["size_weight"] <= 100.0
     (asg,) = out.glob("*.assignment.json")
     assert asg.with_name(asg.name.replace(".assignment.json", ".gguf")).is_file()
+    # the objective scored the assignment that was exported (same bake, fill included)
+    assert json.loads(asg.read_text())["total_bytes"] == best["total_bytes"], best

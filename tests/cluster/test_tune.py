@@ -43,6 +43,23 @@ def test_evaluate_assignment_counts_a_missed_budget_as_failure():
     assert not bad["ok"] and bad["objective"] == FAIL_OBJECTIVE
 
 
+def test_evaluate_assignment_bakes_as_the_export_does():
+    """``bake_options`` reach the bake the objective scores: with the run's fill costs the
+    bytes the gates leave under the budget are spent (what ``voodoo tune --export`` and
+    ``voodoo train`` write), without them they are not; the tolerance comes from them too."""
+    import torch
+    job = TinyLlamaFactory()(WorkerInfo())
+    gates = gate_state(job.student)
+    low = {n: torch.tensor([0.0] * (len(g) - 1) + [10.0]) for n, g in gates.items()}
+    plain = evaluate_assignment(job, low, 67020, bake_options={"tolerance": 0.2})
+    costs = {n: [float(k) for k in range(len(g))] for n, g in gates.items()}
+    filled = evaluate_assignment(job, low, 67020, bake_options={
+        "tolerance": 0.2, "fill_costs": costs, "fill_margin": 0})
+    assert plain["ok"] and filled["ok"]
+    assert plain["total_bytes"] < 67020 * 0.9 < filled["total_bytes"] <= 67020, (plain, filled)
+    assert filled["assignment"] != plain["assignment"]
+
+
 def test_sweep_of_four_trials(tmp_path, ray_up, capsys):
     f = TinyLlamaFactory()
     best = run_sweep(f, CFG, num_samples=4, name="sweep", storage_path=tmp_path,
