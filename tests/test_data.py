@@ -191,7 +191,7 @@ def test_up_to_takes_what_the_text_holds(smol_tokenizer, jsonl_source, tmp_path)
     """``up_to=True`` (the CLI's ``--n_train_blocks auto``): a cap, not a demand. A text with
     fewer train tokens gives every whole block it holds (the same blocks a demand for exactly
     that many gives), one with more stops at the cap; the meta says what was asked. Without it
-    the same cap is refused, naming how many fit and the flag that takes them."""
+    the same cap is refused, naming how many fit."""
     full = vd.build_dataset(smol_tokenizer, jsonl_source, tmp_path / "all", seq_len=16,
                             n_train_blocks=None, n_eval_blocks=2)
     n = full["n_train_blocks"]
@@ -210,7 +210,7 @@ def test_up_to_takes_what_the_text_holds(smol_tokenizer, jsonl_source, tmp_path)
     assert capped["n_train_blocks"] == 3 and torch.equal(tr, vd.load_dataset_dir(
         tmp_path / "exact")[0][:3])
     with pytest.raises(vd.DatasetError,
-                       match=rf"fewer than.*\({n} fit; --n_train_blocks auto takes them\)"):
+                       match=rf"fewer than.*\({n} fit: ask for at most {n}\)"):
         vd.build_dataset(smol_tokenizer, jsonl_source, tmp_path / "no", seq_len=16,
                          n_train_blocks=n + 1, n_eval_blocks=2)
 

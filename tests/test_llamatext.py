@@ -71,3 +71,23 @@ def test_perplexity_and_imatrix_read_a_text_the_vocabulary_cannot(spm_model, tmp
     blocks = torch.tensor(ids[:4 * 32]).reshape(4, 32)
     out = llama_imatrix(base, blocks, tmp_path / "imatrix.gguf", tok, timeout=300)
     assert out.is_file() and out.stat().st_size > 0
+
+
+def test_a_text_mostly_unreadable_is_refused_and_the_report_says_what_was_replaced(spm_model,
+                                                                                  tmp_path):
+    """A text of which the vocabulary reads less than half (here nothing but symbols it lacks)
+    is refused, naming the characters, instead of being scored as blanks; for a text it
+    mostly reads, ``text_note`` gives the report's header a phrase saying what was replaced,
+    and nothing for a byte-level BPE vocabulary."""
+    from voodoo.evaluate import run_perplexity
+    from voodoo.llamatext import UnreadableTextError, text_note
+    from voodoo.models import prepare_model
+    base = spm_model.base_gguf
+    bad = tmp_path / "symbols.txt"
+    bad.write_text("\u00a3\u00a9\u00b0\n" * 3000)
+    with pytest.raises(UnreadableTextError, match=r"cannot read 9000 of its 9000 non-space"):
+        run_perplexity(base, bad, ctx=64, chunks=4)
+    text = _text(tmp_path)
+    note = text_note(base, text)
+    assert "replaced by spaces" in note and "newlines included" in note, note
+    assert text_note(prepare_model(make_tiny("llama")).base_gguf, text) == ""

@@ -309,3 +309,23 @@ def test_converter_shim_adds_only_absent_keys(tmp_path):
                    "rotary_pct": 0.5, "hybrid_override_pattern": "M*", "p": "M-*", "z": 0}
     assert mistral == {"a": 1, "sub": {"x": 1}, "rope_parameters": {"f": 0.5}, "p": None,
                        "z": 0}
+
+
+def test_converter_reason_blames_the_exception_that_ended_it():
+    """Only the converter's final exception is explained: a KeyError handled earlier in a
+    chained traceback is not the cause, a missing tensor name is not called a config key, and a
+    FileNotFoundError for some other file under a 'tokenizer…' folder gets no tokenizer advice."""
+    from pathlib import Path
+
+    from voodoo.models import _converter_reason
+    chained = ('    t = self.hparams["rope_theta"]\nKeyError: \'rope_theta\'\n\nDuring handling '
+               'of the above exception, another exception occurred:\n\nTraceback (most recent '
+               "call last):\nValueError: Can not map tensor 'model.foo.weight'\n")
+    why = _converter_reason(Path("/m"), chained).split("\n")[0]
+    assert "rope_theta" not in why and why.endswith("convert_hf_to_gguf.py failed."), why
+    tensor = '    d = self.model_tensors["lm_head.weight"]\nKeyError: \'lm_head.weight\'\n'
+    why = _converter_reason(Path("/m"), tensor).split("\n")[0]
+    assert "missing key 'lm_head.weight'" in why and "from config.json" not in why, why
+    other = ("FileNotFoundError: [Errno 2] No such file or directory: "
+             "'/data/tokenizer_runs/model.safetensors'\n")
+    assert "tokenizer files" not in _converter_reason(Path("/m"), other)

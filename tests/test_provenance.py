@@ -143,3 +143,27 @@ def test_a_journal_of_other_hessian_blocks_names_the_way_to_resume(tiny_fixed, t
     assert "hessian_blocks" in line and "resume it with --hessian_blocks 4" in line, line
     rc, so, se = run_cli(argv + ["--hessian_blocks", "4"])
     assert rc == 0, se[-3000:]
+
+
+def test_an_edited_calibration_text_refuses_the_journal_before_the_stages(tiny_fixed, tmp_path):  # noqa: F811,E501
+    """The --data_name text edited after a run: the data folder is rebuilt from it, and the
+    journal of the old tokens is refused right after the data stage (before the imatrix, the
+    Hessians and the candidates are made again for the new tokens), naming the likely cause;
+    with the text as it was the folder trains on."""
+    from test_cli_errors import _calibration_text
+    out = tmp_path / "run"
+    txt = _calibration_text(tmp_path / "calib.txt")
+    argv = ["train", "--model", str(tiny_fixed), "--output_dir", str(out), *SMALL,
+            "--rounding", "ggml", "--data_name", str(txt)]
+    rc, so, se = run_cli(argv)
+    assert rc == 0, se[-3000:]
+    before = txt.read_text()
+    txt.write_text("an added paragraph of new words.\n\n\n" + before)
+    rc, so, se = run_cli(argv)
+    line = error_line(rc, se)
+    assert "training journal" in line and "the --data_name text changed" in line, line
+    assert "as it was before an edit" in se  # the data stage saw it
+    assert "--- imatrix" not in se, se[-3000:]  # refused before the next stage
+    txt.write_text(before)
+    rc, so, se = run_cli(argv)
+    assert rc == 0, se[-3000:]

@@ -1402,6 +1402,10 @@ class Run:
             whose = (f"of {_short(old)}, not of {_short(inputs['model'])}" if "model" in diff
                      else "made from other inputs "
                           f"({describe(self.out, artifact, inputs, diff, absent)})")
+            if "tokens" in diff:
+                whose += ("; its calibration tokens are not this run's: the --data_name text "
+                          "changed (an edit, or another file), or --seq_len, --n_train_blocks "
+                          "or --seed")
             resume = ""
             if "rounding" in diff and set(diff) <= {"rounding", "hessian_blocks",
                                                     "rounding_feedback"}:
@@ -1820,6 +1824,10 @@ def _train(argv, run_all=False):
     _default_rounding(a, r.ctx.specs)
     if run_all and a.eval_text:
         _check_eval_text_tokens(a, r.ctx.tokenizer)
+    if run_all and (a.eval_text or _default_eval_text()):
+        # a text the vocabulary cannot read (mostly): refused now, not after training
+        from .llamatext import readable_text
+        readable_text(r.ctx.prepared.base_gguf, a.eval_text or _default_eval_text())
     _check_upgrade_patterns(rules, [s.gguf_name for s in r.ctx.specs])
     _lock_run_folder(r.out, "run" if run_all else "train")
     r.menus_and_budget()  # an unreachable budget fails before data, imatrix and candidates
@@ -1827,13 +1835,19 @@ def _train(argv, run_all=False):
     _check_journal_early(r.out / "train", None if a.ray else r)
     # a journal of another model (or Ray checkpoint of other settings) fails now, before data,
     # imatrix and candidates
+    def check_state():
+        if a.ray:
+            r.check_training_state(str(Path(_ray_storage(a, r.out)) / _ray_run_name(a, r.out)),
+                                   "Ray Train checkpoint folder", record_it=False)
+        else:
+            r.check_training_state("train/partial.pt", "training journal", record_it=False)
     if a.ray:
         _check_ray_checkpoint_early(r)
-        r.check_training_state(str(Path(_ray_storage(a, r.out)) / _ray_run_name(a, r.out)),
-                               "Ray Train checkpoint folder", record_it=False)
-    else:
-        r.check_training_state("train/partial.pt", "training journal", record_it=False)
+    check_state()
     r.data()
+    # the train tokens are known now: a journal of other tokens (an edited --data_name text,
+    # other data flags) fails before the imatrix, Hessians and candidates are remade for them
+    check_state()
     r.imatrix()
     r.candidates()
     if r.train() is None:
@@ -2188,7 +2202,9 @@ def _eval(argv):
             raise UsageError(f"--eval_text {text}: no such file")
         if text is None:
             text = _eval_split_text(a)
-        header = (f"llama-perplexity -c {a.ctx} --chunks {a.chunks} on {text}; KLD against "
+        from .llamatext import text_note
+        header = (f"llama-perplexity -c {a.ctx} --chunks {a.chunks} on {text}"
+                  f"{text_note(prepared.reference_gguf, text)}; KLD against "
                   f"{prepared.reference_gguf}")
         print(header)
         for g in a.gguf:

@@ -467,7 +467,7 @@ def build_dataset(tokenizer, source: str | os.PathLike = DEFAULT_SOURCE,
                                f"blocks and {1 if up_to else n_train_blocks or 1} train "
                                f"block(s) of {seq_len} "
                                f"need more ({fit} train block(s) fit after the eval blocks"
-                               f"{'; --n_train_blocks auto takes them' if fit else ''})"
+                               f"{f': ask for at most {fit}' if fit else ''})"
                                f"{_NEED_MORE}")
         split = "tokens"
         warnings.warn(f"{desc}: {len(docs)} document(s), too few to keep eval and train "
@@ -483,7 +483,7 @@ def build_dataset(tokenizer, source: str | os.PathLike = DEFAULT_SOURCE,
         raise DatasetError(f"{desc}: the {len(train_docs)} train documents give "
                            f"{len(train_ids)} tokens, fewer than the {n_train_tok} that "
                            f"{n_train_blocks} train blocks of {seq_len} need ({fit} fit"
-                           f"{'; --n_train_blocks auto takes them' if fit else ''})"
+                           f"{f': ask for at most {fit}' if fit else ''})"
                            f"{_NEED_MORE}")
     train = _blocks(train_ids, seq_len, n_train_blocks)
     if train.shape[0] == 0:

@@ -308,7 +308,7 @@ def kld_base(reference_gguf: str | os.PathLike, text_file: str | os.PathLike, ct
     for p in (ref, text):
         if not p.is_file():
             raise FileNotFoundError(p)
-    text = readable_text(ref, text)  # a vocabulary that cannot read it would abort the tool
+    shown, text = text, readable_text(ref, text)  # an unreadable one would abort the tool
     key_src = json.dumps({"model": _sha256_file(ref), "text": _sha256_file(text), "ctx": ctx,
                           "chunks": chunks, "llama.cpp": llama_cpp_commit()}, sort_keys=True)
     key = hashlib.sha256(key_src.encode()).hexdigest()[:24]
@@ -328,9 +328,9 @@ def kld_base(reference_gguf: str | os.PathLike, text_file: str | os.PathLike, ct
                         desc=f"llama-perplexity {ref.name} (base logits)")
         res = parse_perplexity_output(out)
         if "ppl" not in res or os.path.getsize(tmp) <= 16:
-            _raise_if_too_short(out, text, ctx)
+            _raise_if_too_short(out, shown, ctx)
             raise PerplexityError(f"llama-perplexity wrote no base logits for {ref.name} on "
-                                  f"{text.name} (ctx {ctx}):\n{_tail(out)}")
+                                  f"{shown.name} (ctx {ctx}):\n{_tail(out)}")
         os.chmod(tmp, 0o644)
         os.replace(tmp, kld_path)
     finally:
@@ -363,7 +363,7 @@ def run_perplexity(gguf: str | os.PathLike, text_file: str | os.PathLike, ctx: i
     for p in (model, text):
         if not p.is_file():
             raise FileNotFoundError(p)
-    text = readable_text(model, text)  # a vocabulary that cannot read it would abort the tool
+    shown, text = text, readable_text(model, text)  # an unreadable one would abort the tool
     exe = str(tool_path("llama-perplexity"))
     if kl_base is None:
         out = _run_tool([exe, "-m", str(model), "-f", str(text),
@@ -371,7 +371,7 @@ def run_perplexity(gguf: str | os.PathLike, text_file: str | os.PathLike, ctx: i
                         desc=f"llama-perplexity {model.name}")
         res = parse_perplexity_output(out)
         if "ppl" not in res:
-            _raise_if_too_short(out, text, ctx)
+            _raise_if_too_short(out, shown, ctx)
             raise PerplexityError(f"llama-perplexity printed no final PPL for {model.name}:\n"
                                   f"{_tail(out)}")
         return {**res, "model": str(model)}
@@ -381,14 +381,14 @@ def run_perplexity(gguf: str | os.PathLike, text_file: str | os.PathLike, ctx: i
             raise FileNotFoundError(kb)
         base = {"path": str(kb)}
     else:
-        base = kld_base(kb, text, ctx=ctx, chunks=chunks, threads=threads, batch=batch,
+        base = kld_base(kb, shown, ctx=ctx, chunks=chunks, threads=threads, batch=batch,
                         timeout=timeout)
     out = _run_tool([exe, "-m", str(model), *_common_args(ctx, None, threads, batch),
                      "--kl-divergence-base", base["path"], "--kl-divergence"], timeout,
                     desc=f"llama-perplexity {model.name}")
     res = parse_perplexity_output(out)
     if "ppl" not in res and "kld" not in res:
-        _raise_if_too_short(out, text, ctx)
+        _raise_if_too_short(out, shown, ctx)
     if "kld" not in res and _chunks_done(out):
         # kl_divergence() in tools/perplexity/perplexity.cpp: "if (kld.count < 100) return;"
         raise PerplexityError(f"llama-perplexity scored {model.name} chunk by chunk but printed "

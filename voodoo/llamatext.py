@@ -23,7 +23,16 @@ import sys
 from pathlib import Path
 from typing import Iterable
 
-__all__ = ["untokenizable", "readable_text", "llama_join"]
+__all__ = ["untokenizable", "readable_text", "llama_join", "text_note", "UnreadableTextError",
+           "MIN_READABLE"]
+
+#: the least fraction of a text's non-space characters that must survive the replacement;
+#: below it the text is refused (it would be scored as mostly blanks)
+MIN_READABLE = 0.5
+
+
+class UnreadableTextError(ValueError):
+    """A text of which llama.cpp's tokenizer, with the model's vocabulary, cannot read most."""
 
 #: SentencePiece's escaped space (U+2581), what llama.cpp turns " " into before the lookup
 _SPACE = "\u2581"
@@ -83,15 +92,25 @@ def _replace(text: str, bad: Iterable[str]) -> str:
     return text.translate(table)
 
 
+def _shown(bad: list[str]) -> str:
+    s = ", ".join(repr(c) for c in bad[:12]) + (f" and {len(bad) - 12} more"
+                                                if len(bad) > 12 else "")
+    if "\ufffd" in bad:
+        s += " ('\ufffd' stands for bytes that are not UTF-8)"
+    return s
+
+
 def _say(what: str, bad: list[str]) -> None:
     if what in _SAID:  # once per text and process (a table scores several files on it)
         return
     _SAID.add(what)
-    shown = ", ".join(repr(c) for c in bad[:12]) + (f" and {len(bad) - 12} more"
-                                                    if len(bad) > 12 else "")
     print(f"[voodoo] {what}: llama.cpp's tokenizer cannot read {len(bad)} character(s) with "
           f"this model's vocabulary (SentencePiece without byte tokens), so they are replaced "
-          f"by spaces: {shown}", file=sys.stderr, flush=True)
+          f"by spaces: {_shown(bad)}", file=sys.stderr, flush=True)
+
+
+def _nonspace(text: str) -> int:
+    return sum(1 for ch in text if not ch.isspace())
 
 
 def llama_join(gguf_path: str | os.PathLike, pieces: Iterable[str], what: str = "text") -> str:
@@ -114,8 +133,10 @@ def readable_text(gguf_path: str | os.PathLike, text_file: str | os.PathLike,
     vocabulary, else a copy with every character it cannot read replaced by a space (newlines
     included), written once (atomically) to ``cache_dir`` (default ``<cache>/texts``) under the
     text's sha256 and the replaced characters, and said on stderr. The KLDs of all files
-    scored on that copy compare with each other, not with scores on the original text. Raises
-    FileNotFoundError."""
+    scored on that copy compare with each other, not with scores on the original text
+    (:func:`text_note` says so for a report). Raises FileNotFoundError, and
+    UnreadableTextError when less than :data:`MIN_READABLE` of the text's non-space characters
+    would be left."""
     text_file = Path(text_file)
     if _spm_vocab(gguf_path) is None:
         if not text_file.is_file():
@@ -126,6 +147,14 @@ def readable_text(gguf_path: str | os.PathLike, text_file: str | os.PathLike,
     bad = untokenizable(gguf_path, text)
     if not bad:
         return text_file
+    fixed = _replace(text, bad)
+    before, after = _nonspace(text), _nonspace(fixed)
+    if after < MIN_READABLE * before or after == 0:
+        raise UnreadableTextError(
+            f"{text_file}: llama.cpp's tokenizer cannot read {before - after} of its "
+            f"{before} non-space characters with this model's vocabulary (SentencePiece "
+            f"without byte tokens): {_shown(bad)}; scored as blanks it would measure nothing. "
+            "Give a text in the language and script the model's vocabulary covers")
     from .fsutil import atomic_write_text
     from .llamacpp import cache_root
     d = Path(cache_dir) if cache_dir is not None else cache_root() / "texts"
@@ -133,6 +162,19 @@ def readable_text(gguf_path: str | os.PathLike, text_file: str | os.PathLike,
     out = d / f"{text_file.stem}.{key}.txt"
     if not out.is_file():
         d.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(out, _replace(text, bad))
+        atomic_write_text(out, fixed)
     _say(f"{text_file.name} (scored as {out})", bad)
     return out
+
+
+def text_note(gguf_path: str | os.PathLike, text_file: str | os.PathLike) -> str:
+    """``""`` when llama.cpp reads ``text_file`` as it is with ``gguf_path``'s vocabulary,
+    else a phrase for a report's header saying what :func:`readable_text` replaced (the
+    scores are on that copy)."""
+    if _spm_vocab(gguf_path) is None or not Path(text_file).is_file():
+        return ""
+    bad = untokenizable(gguf_path, Path(text_file).read_bytes().decode("utf-8", "replace"))
+    if not bad:
+        return ""
+    return (f" ({len(bad)} character(s) this vocabulary cannot read, newlines "
+            f"{'included' if chr(10) in bad else 'not among them'}, replaced by spaces)")

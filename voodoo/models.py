@@ -610,6 +610,10 @@ def convert_hf_to_f32_gguf(hf_dir: str | os.PathLike, out: str | os.PathLike,
 def _converter_reason(hf_dir: Path, log: str) -> str:
     lines = [ln for ln in log.splitlines() if ln.strip()]
     tail = "\n".join(lines[-12:])
+    # the exception that ended the converter (the last "SomethingError: ..." line; an earlier
+    # one in a chained traceback is not the cause)
+    final = next((ln.strip() for ln in reversed(lines)
+                  if re.match(r"\s*[\w.]*(Error|Exception)\b:?", ln)), "")
     if "pre-tokenizer was not recognized" in log:
         why = ("llama.cpp's converter does not recognise this tokenizer's BPE pre-tokenizer "
                "(its hash is not in get_vocab_base_pre()). Convert the model with a llama.cpp "
@@ -620,22 +624,22 @@ def _converter_reason(hf_dir: Path, log: str) -> str:
         arch = (m.group(1) or m.group(2)) if m else "this architecture"
         why = (f"llama.cpp's converter (pinned commit) does not support {arch}; pass a .gguf "
                "of the model made by a llama.cpp that does")
-    elif re.search(r"Cannot find Llama BPE tokenizer|FileNotFoundError:.*tokenizer|"
-                   r"Couldn't instantiate the backend tokenizer", tail):
+    elif re.search(r"Cannot find Llama BPE tokenizer|Couldn't instantiate the backend "
+                   r"tokenizer|^FileNotFoundError:.*tokenizer[^/\\]*$", final, re.M):
         why = ("llama.cpp's converter could not read the tokenizer the way it reads this "
                "family's: copy the model's original tokenizer files beside config.json "
                "(tokenizer.model for SentencePiece families, tokenizer.json and "
                "tokenizer_config.json for BPE ones)")
-    elif (m := re.search(r"hparams\[[\"']([^\"']+)[\"']\][^\n]*\n(?:.*\n){0,3}?"
-                         r"\s*KeyError: '([^']+)'", tail)) and m.group(1) == m.group(2):
-        why = (f"llama.cpp's converter reads {m.group(1)!r} from config.json, and this "
+    elif (key := re.match(r"KeyError: (['\"])(.+)\1$", final)) and re.search(
+            r"hparams\[(['\"])" + re.escape(key.group(2)) + r"\1\]", tail):
+        why = (f"llama.cpp's converter reads {key.group(2)!r} from config.json, and this "
                f"config.json has no such key (transformers 5 leaves out some legacy keys when "
-               f"it saves a config): add \"{m.group(1)}\" with the model's value to "
+               f"it saves a config): add \"{key.group(2)}\" with the model's value to "
                f"{hf_dir / 'config.json'}")
-    elif m := re.search(r"KeyError: '([^']+)'", tail):
-        why = (f"llama.cpp's convert_hf_to_gguf.py failed looking up {m.group(1)!r} (a "
-               "config.json key or a special token the converter expects for this family: "
-               "the model's original config.json and tokenizer files have it)")
+    elif key:
+        why = (f"llama.cpp's convert_hf_to_gguf.py failed on a missing key {key.group(2)!r} "
+               "(a config.json key, a tensor name or a special token this family's converter "
+               "expects)")
     else:
         why = "llama.cpp's convert_hf_to_gguf.py failed"
     return f"cannot convert {hf_dir} to GGUF: {why}.\nconverter output (end):\n{tail}"

@@ -70,7 +70,9 @@ def compare_with_stock(r) -> list[dict]:
     cols = ["file", "name", "size_mib", "bpw", "ppl", "kld", "kld_p99_9", "same_top_p",
             "ppl_base"]
     base_ppl = next((x["ppl_base"] for x in rows if x.get("ppl_base")), None)
-    header = (f"llama-perplexity -c {a.ctx} --chunks {a.chunks} on {text.name}; KLD vs "
+    from .llamatext import text_note
+    header = (f"llama-perplexity -c {a.ctx} --chunks {a.chunks} on {text.name}"
+              f"{text_note(ref, text)}; KLD vs "
               f"{Path(ref).name}" + (f" (PPL {base_ppl:.4f})" if base_ppl else ""))
     print(f"\n{header}\n")
     print(format_table(rows, cols))
