@@ -91,3 +91,16 @@ def test_a_text_mostly_unreadable_is_refused_and_the_report_says_what_was_replac
     note = text_note(base, text)
     assert "replaced by spaces" in note and "newlines included" in note, note
     assert text_note(prepare_model(make_tiny("llama")).base_gguf, text) == ""
+
+
+def test_chat_names_the_characters_that_abort_llama_completion(spm_model):
+    """``voodoo chat``'s prompt goes to llama-completion as it is; when the vocabulary cannot
+    read one of its characters the tool aborts, and the error names the character."""
+    from voodoo.chat import ChatError, generate
+    from voodoo.llamacpp import LlamaCppNotBuilt, tool_path
+    try:
+        tool_path("llama-completion")
+    except LlamaCppNotBuilt as e:
+        pytest.skip(str(e))
+    with pytest.raises(ChatError, match="cannot read '\u2603'"):
+        generate(spm_model.base_gguf, "Snow \u2603 falls", n_predict=4, timeout=300)
