@@ -93,12 +93,13 @@ def generate(gguf: str | os.PathLike, prompt: str, n_predict: int = 128, ctx: in
     if r.returncode:
         from .llamatext import untokenizable
         bad = untokenizable(gguf, prompt + ("\n" if templated else ""))
-        why = (f"; llama.cpp's tokenizer cannot read {', '.join(map(repr, bad[:8]))} with "
-               "this model's vocabulary (SentencePiece without byte tokens), which aborts it"
-               + (" (the newlines of the GGUF's chat template among them: llama.cpp cannot "
-                  "run this model through its template)" if templated and "\n" in bad else
-                  ": give a prompt without them")
-               if bad and "out_of_range" in (r.stderr + r.stdout) else "")
+        why = ""
+        if bad and "out_of_range" in r.stderr + r.stdout:  # byte_to_token threw: the cause
+            why = (f"; llama.cpp's tokenizer cannot read {', '.join(map(repr, bad[:8]))} with "
+                   "this model's vocabulary (SentencePiece without byte tokens), which aborts it")
+            why += (" (the newlines of the GGUF's chat template among them: llama.cpp cannot "
+                    "run this model through its template)" if templated and "\n" in bad
+                    else ": give a prompt without them")
         raise ChatError(f"llama-completion failed on {gguf.name} (exit {r.returncode}){why}:\n"
                         f"{_tail(r.stderr or r.stdout)}")
     return Reply(_clean(r.stdout), gguf, templated, time.monotonic() - t0)

@@ -1595,14 +1595,14 @@ class Run:
         file is a ceiling (at or under it, within 0.5%); with the Fisher prior the bytes the
         gates leave unused are spent where it says they help most (the fill). ``voodoo tune``
         scores its trials with the same."""
-        from .pipeline import FILL_MARGIN_BASE, prior_costs
+        from .pipeline import fill_margin, prior_costs
         a = self.a
         ref = getattr(self, "target_file_bytes", None)
         fill = (prior_costs(self.out / "train" / "sensitivity.json", self.menus)
                 if getattr(a, "gate_init", "fisher") == "fisher" else None)
         return {"tensor_upgrades": a.tensor_upgrades, "tolerance": 0.005,
                 "ceiling": ref is not None, "ceiling_ref": ref, "fill_costs": fill,
-                "fill_margin": FILL_MARGIN_BASE + 32 * len(self.table)}
+                "fill_margin": fill_margin(self.table)}
 
     def bake_and_write(self, gates, budget):
         """Bakes ``gates`` (gguf_name -> logits) at ``budget`` bytes (:meth:`bake_options`)
@@ -1610,11 +1610,8 @@ class Run:
         from .pipeline import bake_assignment, write_json
         a = self.a
         with self.timer("bake"):
-            o = self.bake_options()
-            self.assignment = bake_assignment(
-                gates, self.menus, self.table, budget, o["tensor_upgrades"],
-                tolerance=o["tolerance"], ceiling_ref=o["ceiling_ref"],
-                fill_costs=o["fill_costs"])
+            self.assignment = bake_assignment(gates, self.menus, self.table, budget,
+                                              **self.bake_options())
             self.stem = _stem(self.ctx, a, self.assignment)
             from .llamacpp import llama_cpp_commit
             self.assignment["model"] = str(Path(_model_arg(a)).resolve()) \
@@ -1824,10 +1821,10 @@ def _train(argv, run_all=False):
     _default_rounding(a, r.ctx.specs)
     if run_all and a.eval_text:
         _check_eval_text_tokens(a, r.ctx.tokenizer)
-    if run_all and (a.eval_text or _default_eval_text()):
-        # a text the vocabulary cannot read (mostly): refused now, not after training
+    eval_text = (a.eval_text or _default_eval_text()) if run_all else None
+    if eval_text:  # a text the vocabulary cannot read (mostly): refused now, not after training
         from .llamatext import readable_text
-        readable_text(r.ctx.prepared.base_gguf, a.eval_text or _default_eval_text())
+        readable_text(r.ctx.prepared.base_gguf, eval_text)
     _check_upgrade_patterns(rules, [s.gguf_name for s in r.ctx.specs])
     _lock_run_folder(r.out, "run" if run_all else "train")
     r.menus_and_budget()  # an unreachable budget fails before data, imatrix and candidates

@@ -37,7 +37,7 @@ __all__ = [
     "ensure_dataset", "ensure_imatrix", "ensure_hessians", "candidate_jobs", "ensure_candidates",
     "choose_rounding", "head_tensor", "head_inputs",
     "build_student", "build_teacher", "bytes_table", "selectable_budget", "train",
-    "bake_assignment", "export", "assign_student", "StudentFactory", "fisher_prior",
+    "bake_assignment", "fill_margin", "export", "assign_student", "StudentFactory", "fisher_prior",
 ]
 
 
@@ -850,7 +850,7 @@ def fisher_prior(ctx: Context, teacher: torch.nn.Module, menus, keys, cache: Can
     return logits
 
 
-#: Bytes :func:`bake_assignment`'s fill keeps free besides 32 a tensor: the KV pairs export
+#: Bytes the bake's fill keeps free besides 32 a tensor (:func:`fill_margin`): the KV pairs export
 #: adds beyond the base GGUF's metadata (about 350 bytes on SmolLM2) with room to spare.
 FILL_MARGIN_BASE = 4096
 
@@ -916,19 +916,19 @@ def train(ctx: Context, teacher, train_blocks, cfg, out_dir, budget=None, **kw):
                        budget=budget, **kw)
 
 
-def bake_assignment(gates, menus, table, budget, tensor_upgrades=None, tolerance=0.005,
-                    path=None, ceiling_ref=None, fill_costs=None) -> dict:
-    """:func:`voodoo.bake.bake`, saved as JSON at ``path`` (atomically) when given.
-    ``ceiling_ref`` (bytes): the budget is a ceiling and the total lands within
-    ``tolerance * ceiling_ref`` under it (``--match_size``). ``fill_costs`` (gguf_name -> K
-    predicted KL, :func:`prior_costs`): bytes the gates leave under the budget are spent where
-    they lower it most, keeping :data:`FILL_MARGIN_BASE` bytes plus 32 a tensor free for the
-    GGUF's alignment padding and the metadata export adds."""
+def fill_margin(table) -> int:
+    """Bytes the bake's fill keeps free under the budget for a GGUF of the tensors in
+    ``table``: :data:`FILL_MARGIN_BASE` plus 32 a tensor (its alignment padding)."""
+    return FILL_MARGIN_BASE + 32 * len(table)
+
+
+def bake_assignment(gates, menus, table, budget, path=None, **options) -> dict:
+    """:func:`voodoo.bake.bake` with ``options``, its keyword arguments (``tensor_upgrades``,
+    ``tolerance``, ``ceiling``/``ceiling_ref`` for ``--match_size``, ``fill_costs`` from
+    :func:`prior_costs` with ``fill_margin`` from :func:`fill_margin`), saved as JSON at
+    ``path`` (atomically) when given."""
     from .bake import bake
-    margin = FILL_MARGIN_BASE + 32 * len(table)
-    a = bake(gates, menus, table, budget, tensor_upgrades=tensor_upgrades, tolerance=tolerance,
-             ceiling=ceiling_ref is not None, ceiling_ref=ceiling_ref, fill_costs=fill_costs,
-             fill_margin=margin)
+    a = bake(gates, menus, table, budget, **options)
     if path:
         write_json(path, a)
     return a
