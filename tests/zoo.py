@@ -29,7 +29,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
-__all__ = ["FAMILIES", "ZOO_DISAGREE", "make_tiny", "zoo_dir", "zoo_tokens", "VOCAB"]
+__all__ = ["FAMILIES", "ZOO_DISAGREE", "make_tiny", "zoo_dir", "zoo_tokens", "VOCAB",
+           "make_mxfp4_gpt_oss", "mxfp4_values"]
 
 #: SmolLM2's vocabulary size; its BOS ``<|im_start|>`` = 1, EOS ``<|im_end|>`` = 2.
 VOCAB = 49152
@@ -335,6 +336,74 @@ def make_tiny(family: str, out_dir: str | os.PathLike | None = None, seed: int =
         _build(arch, cfg_kw, extra, out, seed)
     _CACHE[key] = out
     return out
+
+
+#: gpt-oss as OpenAI ships it: experts as MXFP4 blocks (``*_blocks``/``*_scales`` and a
+#: ``quantization_config``), which llama.cpp's converter repacks into MXFP4 tensors
+GPT_OSS = ("GptOssForCausalLM", dict(
+    model_type="gpt_oss", hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+    num_local_experts=4, num_experts_per_tok=2, sliding_window=32,
+    layer_types=["sliding_attention", "full_attention"], tie_word_embeddings=False,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=32), {})
+#: the 16 values an MXFP4 (E2M1) code stands for (ggml's ``kvalues_mxfp4`` / 2)
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def make_mxfp4_gpt_oss(seed: int = 0) -> Path:
+    """A tiny gpt-oss folder whose expert weights are stored as MXFP4 the way OpenAI's
+    checkpoints store them: ``<name>_blocks`` (uint8, two E2M1 codes a byte, low nibble first,
+    ``[experts, rows, cols/32, 16]``) and ``<name>_scales`` (uint8 E8M0 exponents + 127,
+    ``[experts, rows, cols/32]``), rows being the output features, and ``quantization_config``
+    ``{"quant_method": "mxfp4"}``. Scale per 32 values: ``2^ceil(log2(amax / 6))``. Written
+    once under :func:`zoo_dir`."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    out = zoo_dir() / f"gpt_oss_mxfp4-s{seed}"
+    if (out / "config.json").is_file() and any(out.glob("*.safetensors")):
+        return out
+    tmp = _build(*GPT_OSS, zoo_dir() / f".gpt_oss_float-s{seed}", seed)
+    fp4 = torch.tensor(FP4_VALUES)
+    d = {}
+    for f in sorted(tmp.glob("*.safetensors")):
+        d.update(load_file(f))
+        f.unlink()
+    packed = {}
+    for k, v in d.items():
+        if not (k.endswith("mlp.experts.gate_up_proj") or k.endswith("mlp.experts.down_proj")):
+            packed[k] = v
+            continue
+        w = v.transpose(1, 2).contiguous()             # [experts, out, in]
+        g = w.reshape(*w.shape[:2], -1, 32)
+        e = torch.ceil(torch.log2(g.abs().amax(-1).clamp_min(1e-30) / 6.0)).clamp(-127, 127)
+        idx = ((g / torch.pow(2.0, e)[..., None])[..., None] - fp4).abs().argmin(-1)
+        idx = idx.to(torch.uint8)
+        packed[k + "_blocks"] = (idx[..., 0::2] | (idx[..., 1::2] << 4)).contiguous()
+        packed[k + "_scales"] = (e + 127).to(torch.uint8).contiguous()
+    save_file(packed, tmp / "model.safetensors", metadata={"format": "pt"})
+    idx_file = tmp / "model.safetensors.index.json"
+    if idx_file.exists():
+        idx_file.unlink()
+    cj = tmp / "config.json"
+    cfg = json.loads(cj.read_text())
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens",
+        "lm_head"]}
+    cj.write_text(json.dumps(cfg, indent=2))
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+    return out
+
+
+def mxfp4_values(blocks, scales):
+    """Float values of MXFP4 ``blocks``/``scales`` as :func:`make_mxfp4_gpt_oss` stores them:
+    ``[..., rows, cols]`` float32, decoded with :data:`FP4_VALUES` (independently of ggml)."""
+    import torch
+    fp4 = torch.tensor(FP4_VALUES)
+    lo, hi = (blocks & 15).long(), (blocks >> 4).long()
+    codes = torch.stack([lo, hi], -1).reshape(*blocks.shape[:-1], 32)
+    vals = fp4[codes] * torch.pow(2.0, scales.float() - 127)[..., None]
+    return vals.reshape(*vals.shape[:-2], -1)
 
 
 def zoo_tokens(vocab_size: int, n_chunk: int = 4, n_ctx: int = 128, seed: int = 0):

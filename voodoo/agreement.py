@@ -400,7 +400,10 @@ def preflight(hf_model: torch.nn.Module, f32_gguf: str | os.PathLike, tokens: to
     Args:
         hf_model: the transformers causal LM (float32) that Voodoo will train against.
         f32_gguf: llama.cpp's F32 GGUF of the same weights (``convert_hf_to_gguf.py --outtype
-            f32``); candidates and the exported file are quantized from it.
+            f32``); candidates and the exported file are quantized from it. Weights the
+            converter kept quantized (gpt-oss's MXFP4 experts) are compared from a dequantized
+            copy (:func:`voodoo.export.dequantized_copy`): llama.cpp's activation rounding for
+            them is not a disagreement about the architecture.
         tokens: LongTensor ``(n_chunk, n_ctx)``, e.g. ``chunk_tokens(ids,
             DEFAULT_PREFLIGHT_CTX, DEFAULT_PREFLIGHT_CHUNKS)``.
         max_kld: largest mean KLD (nats/token) that counts as agreement; the default
@@ -419,8 +422,9 @@ def preflight(hf_model: torch.nn.Module, f32_gguf: str | os.PathLike, tokens: to
             one-line message quotes llama.cpp's reason and says no Voodoo flag helps.
         and what :func:`llama_vs_torch` raises.
     """
+    from .export import dequantized_copy
     try:
-        res = llama_vs_torch(f32_gguf, hf_model, tokens, **kwargs)
+        res = llama_vs_torch(dequantized_copy(f32_gguf), hf_model, tokens, **kwargs)
     except LlamaCppLoadError as e:
         from .llamacpp import llama_cpp_commit
         raise LlamaCppLoadError(
@@ -443,7 +447,8 @@ def preflight(hf_model: torch.nn.Module, f32_gguf: str | os.PathLike, tokens: to
             f"{res['kld_mean']:.4g} nats/token (99.9%: {res['kld_99_9']}), same top-p "
             f"{top_s}; agreement means ≤ {max_kld:g}. The F32 GGUF holds the same weights, so "
             "llama.cpp runs this architecture/config differently from transformers (e.g. a "
-            "sliding-window pattern, no-RoPE layers or RoPE settings it does not read). Voodoo "
+            "sliding-window pattern, no-RoPE layers, RoPE settings or an MoE gating function "
+            "(`scoring_func`) it does not read). Voodoo "
             "optimises the KLD of the torch model, which would not be the KLD of what llama.cpp "
             "serves. Fix the config or the llama.cpp version; to go on anyway, pass "
             "--skip_preflight.", res)

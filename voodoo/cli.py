@@ -837,8 +837,10 @@ def _print_recipe(gguf: Path, base_gguf: Path, imatrix) -> None:
         what = ("the same tensors" if not own else
                 f"the same types ({own} tensors then get llama-quantize's bytes, not this file's "
                 "error-feedback ones)")
+        from .export import requantize_args
+        rq = "".join(f"{x} " for x in requantize_args(base_gguf))
         print(f"to make {what} with stock llama-quantize (F32 base {base_gguf}):\n"
-              f"  {tool_command('llama-quantize')} {im}--tensor-type-file {tt} {base_gguf} "
+              f"  {tool_command('llama-quantize')} {im}{rq}--tensor-type-file {tt} {base_gguf} "
               "out.gguf Q8_0")
 
 
@@ -997,6 +999,40 @@ def _stem(ctx, a, assignment) -> str:
     return output_name(ctx.prepared.name, pct, bpw).removesuffix(".gguf")
 
 
+_SAID_SOURCE_TYPES: set[str] = set()
+
+
+def _source_type_menus(ctx, menus: dict) -> dict:
+    """Menus in which a weight the checkpoint ships quantized and the converter keeps as it is
+    (gpt-oss's MXFP4 experts: :func:`voodoo.export.prequantized_tensors`) also offers that
+    type: libggml re-quantizing its dequantized values gives back the same values (checked for
+    MXFP4), so it is the tensor's exact candidate, as ``llama-quantize``'s ``MXFP4_MOE`` file
+    type keeps it. One line says so."""
+    from .export import prequantized_tensors
+    from .pipeline import log
+    from .quants import build_menu
+    pre = {n: t for n, t in prequantized_tensors(ctx.prepared.base_gguf).items() if n in menus}
+    if not pre:
+        return menus
+    out = dict(menus)
+    added: dict[str, int] = {}
+    for s in ctx.specs:
+        t = pre.get(s.gguf_name)
+        if t is None or t in menus[s.gguf_name]:
+            continue
+        out[s.gguf_name] = [q.name for q in build_menu(list(menus[s.gguf_name]) + [t],
+                                                        s.n_per_row)]
+        if t in out[s.gguf_name]:
+            added[t] = added.get(t, 0) + 1
+    if added and str(ctx.prepared.base_gguf) not in _SAID_SOURCE_TYPES:
+        _SAID_SOURCE_TYPES.add(str(ctx.prepared.base_gguf))
+        log(f"{sum(added.values())} weights ship quantized in the checkpoint and stay so in the "
+            "base GGUF (" + ", ".join(f"{k}: {v}" for k, v in sorted(added.items())) + "); "
+            "their own type is added to their menus (it holds their values exactly); the "
+            "other candidates are quantized from the dequantized values")
+    return out
+
+
 def _range_safe_menus(ctx, menus: dict) -> dict:
     """Menus in which no tensor is asked for F16 (llama.cpp's fallback for row lengths no
     block divides) when its weights exceed float16's range: such a tensor gets BF16 instead
@@ -1062,6 +1098,7 @@ class Run:
         a = self.a
         self.menus = make_menus(self.ctx.specs, a.candidate_types, a.attention_candidates,
                                 a.non_attention_candidates)
+        self.menus = _source_type_menus(self.ctx, self.menus)
         self.menus = _range_safe_menus(self.ctx, self.menus)
         self.menus = self.imatrix_safe(self.menus)
         self.table = bytes_table(self.ctx.specs, self.menus)
@@ -1275,6 +1312,7 @@ class Run:
         if getattr(self, "menus", None) is None:
             self.menus = make_menus(self.ctx.specs, a.candidate_types, a.attention_candidates,
                                     a.non_attention_candidates)
+            self.menus = _source_type_menus(self.ctx, self.menus)
         self.menus = _range_safe_menus(self.ctx, self.menus)
         n_before = sum(len(m) for m in self.menus.values())
         self.menus = self.imatrix_safe(self.menus, say=True)

@@ -32,7 +32,8 @@ __all__ = [
     "export_gguf", "write_tensor_type_file", "output_name", "quantize_with_llama",
     "assignment_types", "copy_kv", "dominant_file_type", "ExportError", "gguf_tensor_bytes",
     "badge_file_type", "model_id", "parse_model_id", "record_model", "find_model",
-    "find_reference", "gguf_model_id",
+    "find_reference", "gguf_model_id", "prequantized_tensors", "requantize_args",
+    "dequantized_copy",
 ]
 
 #: GGUF pseudo-keys GGUFReader exposes that are not KV pairs of the file.
@@ -446,13 +447,61 @@ def output_name(model_name: str, ratio_percent: float, bpw: float) -> str:
     return f"{model_name}.Voodoo{int(round(ratio_percent))}_{nearest_ftype(bpw)}.gguf"
 
 
+def prequantized_tensors(base_gguf: str | os.PathLike) -> dict[str, str]:
+    """GGUF name -> ggml type name of the weights (2+ dims) that the base GGUF holds already
+    quantized: a checkpoint's own blocks that ``convert_hf_to_gguf.py`` repacks losslessly
+    instead of dequantizing (gpt-oss's MXFP4 experts, ``conversion/gpt_oss.py``), or a
+    quantized source GGUF. Empty for an all-float base (F32/F16/BF16). Reads the header only."""
+    from gguf import GGML_QUANT_SIZES
+    return {t.name: GGMLQuantizationType(t.tensor_type).name
+            for t in read_gguf(base_gguf).tensors
+            if len(t.shape) >= 2 and GGML_QUANT_SIZES[GGMLQuantizationType(t.tensor_type)][0] > 1}
+
+
+def requantize_args(base_gguf: str | os.PathLike) -> list[str]:
+    """``["--allow-requantize"]`` when the base holds quantized weights
+    (:func:`prequantized_tensors`): llama-quantize refuses to quantize such a tensor to another
+    type without it (``requantizing from type %s is disabled``, ``src/llama-quant.cpp``); with
+    it, it quantizes their dequantized values, which is what Voodoo's candidates are made from.
+    Else ``[]``."""
+    return ["--allow-requantize"] if prequantized_tensors(base_gguf) else []
+
+
+def dequantized_copy(base_gguf: str | os.PathLike) -> Path:
+    """The base GGUF with its quantized weights (:func:`prequantized_tensors`) dequantized to
+    F32 by libggml's ``to_float``, every other tensor and KV copied: the same model computed
+    without llama.cpp's activation rounding for those tensors (the pre-flight comparison with
+    transformers' float forward). Written once next to the base as
+    ``<stem>.dequantized.gguf`` (atomically; rewritten when the base is newer); returns its
+    path, or the base itself when nothing in it is quantized."""
+    base_gguf = Path(base_gguf)
+    pre = prequantized_tensors(base_gguf)
+    if not pre:
+        return base_gguf
+    out = base_gguf.with_name(base_gguf.stem + ".dequantized.gguf")
+    if out.is_file() and out.stat().st_mtime_ns >= base_gguf.stat().st_mtime_ns:
+        return out
+    import cython_ggml as cg
+    by_name = {t.name: t for t in read_gguf(base_gguf).tensors}
+
+    def lookup(name: str, type_name: str) -> np.ndarray:
+        t = by_name[name]
+        n_per_row = int(t.shape[0])
+        raw = np.ascontiguousarray(np.asarray(t.data)).view(np.uint8).reshape(-1)
+        return cg.dequantize(raw, pre[name], n_per_row).view(np.uint8).reshape(-1)
+
+    return export_gguf(base_gguf, {n: "F32" for n in pre}, lookup, out,
+                       file_type=int(LlamaFileType.ALL_F32))
+
+
 def quantize_with_llama(base_gguf: str | os.PathLike, out: str | os.PathLike,
                         tensor_type_file: str | os.PathLike | None = None,
                         imatrix_file: str | os.PathLike | None = None,
                         default_type: str = "Q8_0", n_threads: int | None = None,
                         extra_args: Iterable[str] = (), timeout: float | None = None) -> Path:
     """Runs ``llama-quantize [--imatrix I] [--tensor-type-file T] base out <default_type>
-    [n_threads]`` (the pinned build, :func:`voodoo.llamacpp.tool_path`).
+    [n_threads]`` (the pinned build, :func:`voodoo.llamacpp.tool_path`), with
+    ``--allow-requantize`` when the base holds quantized weights (:func:`requantize_args`).
 
     ``default_type`` must be a quantized llama.cpp file type (``Q8_0``, ``Q4_K_M``...):
     llama-quantize applies tensor-type patterns only when the default type is quantized.
@@ -474,6 +523,8 @@ def quantize_with_llama(base_gguf: str | os.PathLike, out: str | os.PathLike,
     if tensor_type_file is not None:
         cmd += ["--tensor-type-file", str(tensor_type_file)]
     cmd += list(extra_args)
+    if "--allow-requantize" not in cmd:
+        cmd += requantize_args(base_gguf)
     cmd += [str(base_gguf), str(tmp), default_type]
     if n_threads:
         cmd.append(str(int(n_threads)))

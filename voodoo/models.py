@@ -35,7 +35,7 @@ import numpy as np
 from .llamacpp import cache_root, llama_cpp_commit, source_dir
 
 __all__ = [
-    "PreparedModel", "prepare_model", "load_hf_model", "default_model", "make_tiny_model",
+    "PreparedModel", "prepare_model", "load_hf_model", "dequantizing_config", "default_model", "make_tiny_model",
     "gguf_to_f32", "convert_hf_to_f32_gguf", "ModelPreparationError", "sha256_file",
     "DEFAULT_MODEL_WHEEL", "model_name_from_path", "converter_info", "converter_flags",
     "converter_options", "converter_command",
@@ -645,6 +645,39 @@ def _converter_reason(hf_dir: Path, log: str) -> str:
     return f"cannot convert {hf_dir} to GGUF: {why}.\nconverter output (end):\n{tail}"
 
 
+def dequantizing_config(hf_dir: str | os.PathLike):
+    """For a checkpoint whose ``config.json`` has a ``quantization_config`` (weights shipped
+    quantized: gpt-oss's MXFP4 experts, FP8 blocks, compressed-tensors), the transformers
+    quantization config that loads it dequantized to float (``dequantize=True``): the student
+    needs float weights, and these are the values llama.cpp's converter writes (dequantized, or
+    repacked losslessly as MXFP4). None for a float checkpoint.
+
+    Raises ModelPreparationError for a quantization method transformers cannot dequantize on
+    load (GPTQ, AWQ, bitsandbytes, ...), naming the fix: a float copy of the model."""
+    cj = Path(hf_dir) / "config.json"
+    try:
+        qc = json.loads(cj.read_text()).get("quantization_config")
+    except (OSError, ValueError):
+        return None
+    if not isinstance(qc, dict):
+        return None
+    import inspect
+
+    from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING
+    method = str(qc.get("quant_method", "?"))
+    cls = AUTO_QUANTIZATION_CONFIG_MAPPING.get(method)
+    if cls is None or "dequantize" not in inspect.signature(cls.__init__).parameters:
+        can = sorted(m for m, c in AUTO_QUANTIZATION_CONFIG_MAPPING.items()
+                     if "dequantize" in inspect.signature(c.__init__).parameters)
+        raise ModelPreparationError(
+            f"{cj} says the weights are {method}-quantized (quantization_config), and "
+            f"transformers cannot load {method} weights back as floats here (it can for: "
+            f"{', '.join(can)}). Voodoo quantizes from float weights: pass a BF16/F16/F32 "
+            "copy of the model (the checkpoint it was quantized from, or one dequantized "
+            "with the method's own tools) instead")
+    return cls.from_dict({**qc, "dequantize": True})
+
+
 def load_hf_model(prepared: PreparedModel | str | os.PathLike, dtype=None):
     """Loads the prepared HF folder with ``AutoModelForCausalLM`` in eval mode.
 
@@ -661,14 +694,18 @@ def load_hf_model(prepared: PreparedModel | str | os.PathLike, dtype=None):
     import transformers
     from transformers import AutoModelForCausalLM
     d = prepared.hf_dir if isinstance(prepared, PreparedModel) else Path(prepared)
+    kw = {"dtype": dtype or torch.float32}
+    qc = dequantizing_config(d)
+    if qc is not None:
+        kw["quantization_config"] = qc
     try:
-        model = AutoModelForCausalLM.from_pretrained(d, dtype=dtype or torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(d, **kw)
     except ValueError:
         archs = json.loads((d / "config.json").read_text()).get("architectures") or []
         cls = getattr(transformers, archs[0], None) if archs else None
         if cls is None or not archs[0].endswith("ForConditionalGeneration"):
             raise
-        model = cls.from_pretrained(d, dtype=dtype or torch.float32)
+        model = cls.from_pretrained(d, **kw)
     model.eval()
     return model
 

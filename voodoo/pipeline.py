@@ -181,23 +181,56 @@ def load_base_checkpoint(ctx: Context, path) -> None:
     ctx.model.load_state_dict({k: other[k] for k in mine})
 
 
-def base_weights(base_gguf, names=None) -> dict[str, np.ndarray]:
-    """GGUF name -> float32 ``(n_rows, n_per_row)`` view (memory-mapped) of every F32 tensor of
-    at least 2 dims of the base F32 GGUF, in GGUF layout; a 3-D tensor (stacked experts) has
-    its experts' rows stacked. ``names``: only these."""
+def base_weights(base_gguf, names=None) -> Mapping[str, np.ndarray]:
+    """GGUF name -> float32 ``(n_rows, n_per_row)`` array of every tensor of at least 2 dims of
+    the base GGUF, in GGUF layout; a 3-D tensor (stacked experts) has its experts' rows
+    stacked. ``names``: only these.
+
+    An F32 tensor is a memory-mapped view. A tensor the converter wrote in another type --
+    F16/BF16, or a checkpoint's own quantized blocks that ``convert_hf_to_gguf.py`` repacks
+    losslessly instead of dequantizing (gpt-oss's MXFP4 experts: ``repack_mxfp4`` in the pinned
+    ``conversion/gpt_oss.py``) -- is dequantized with libggml's ``to_float`` when it is read
+    (what ``llama-quantize --allow-requantize`` quantizes from), one tensor at a time."""
     from gguf import GGMLQuantizationType
 
     from .ggufio import read_gguf
     r = read_gguf(base_gguf)
-    out = {}
     want = set(names) if names is not None else None
-    for t in r.tensors:
-        if want is not None and t.name not in want:
-            continue
-        if t.tensor_type == GGMLQuantizationType.F32 and len(t.shape) >= 2:
-            n_per_row = int(t.shape[0])
-            out[t.name] = np.asarray(t.data).reshape(-1, n_per_row)
-    return out
+    return _BaseWeights({t.name: t for t in r.tensors
+                         if (want is None or t.name in want) and len(t.shape) >= 2},
+                        GGMLQuantizationType.F32)
+
+
+class _BaseWeights(Mapping):
+    """The read-only mapping :func:`base_weights` returns (F32 views; other types dequantized
+    on access, the last one kept)."""
+
+    def __init__(self, tensors: dict, f32):
+        self._t, self._f32, self._last = tensors, f32, (None, None)
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        t = self._t[name]
+        n_per_row = int(t.shape[0])
+        if t.tensor_type == self._f32:
+            return np.asarray(t.data).reshape(-1, n_per_row)
+        if self._last[0] == name:
+            return self._last[1]
+        import cython_ggml as cg
+        raw = np.ascontiguousarray(np.asarray(t.data)).view(np.uint8)
+        out = cg.dequantize(raw.reshape(-1), t.tensor_type.name, n_per_row)
+        self._last = (name, out)
+        return out
+
+    def __iter__(self):
+        return iter(self._t)
+
+    def __len__(self) -> int:
+        return len(self._t)
+
+    def quantized(self) -> dict[str, str]:
+        """GGUF name -> ggml type name of the tensors stored other than as F32."""
+        return {n: t.tensor_type.name for n, t in self._t.items()
+                if t.tensor_type != self._f32}
 
 
 def parse_types(text: str | Sequence[str] | None) -> list[str] | None:
