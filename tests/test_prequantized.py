@@ -87,3 +87,58 @@ def test_mxfp4_experts_from_the_checkpoint_to_llama_cpp(tmp_path):
     raw = llama_vs_torch(base, ctx.model, tokens)
     assert res["kld_mean"] <= res["max_kld"]
     assert res["kld_mean"] < raw["kld_mean"] and raw["kld_mean"] > res["max_kld"]
+
+
+def _fp8_copy(src: Path, dst: Path, block: int = 128) -> Path:
+    """``src`` (an HF folder) with every Linear ``*proj.weight`` stored as DeepSeek-style block
+    FP8: float8_e4m3fn values and a ``weight_scale_inv`` per ``block x block`` tile
+    (amax / 448), ``quantization_config`` ``{"quant_method": "fp8", ...}``."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+    shutil.copytree(src, dst)
+    f = next(dst.glob("*.safetensors"))
+    out = {}
+    for k, v in load_file(f).items():
+        if not (k.endswith("proj.weight") and v.ndim == 2):
+            out[k] = v
+            continue
+        n_o, n_i = -(-v.shape[0] // block), -(-v.shape[1] // block)
+        s = torch.zeros(n_o, n_i)
+        q = torch.empty_like(v, dtype=torch.float8_e4m3fn)
+        for a in range(n_o):
+            for b in range(n_i):
+                tile = v[a * block:(a + 1) * block, b * block:(b + 1) * block]
+                s[a, b] = tile.abs().max() / 448.0
+                q[a * block:(a + 1) * block, b * block:(b + 1) * block] = \
+                    (tile / s[a, b]).to(torch.float8_e4m3fn)
+        out[k], out[k + "_scale_inv"] = q, s
+    f.unlink()
+    save_file(out, dst / "model.safetensors", metadata={"format": "pt"})
+    cj = dst / "config.json"
+    cfg = json.loads(cj.read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                  "fmt": "e4m3", "weight_block_size": [block, block]}
+    cj.write_text(json.dumps(cfg, indent=2))
+    return dst
+
+
+def test_block_fp8_checkpoint_loads_as_the_converter_dequantizes_it(tmp_path):
+    """transformers' FP8 dequantization equals the converter's (``dequant_simple`` in the pinned
+    ``conversion/base.py``): the tensor map's check against the base GGUF passes, and the
+    base holds no quantized weight (the converter dequantizes FP8 itself). Without a GPU
+    transformers dequantizes FP8 on its own; with one it keeps FP8 Linears unless asked, which
+    :func:`voodoo.models.dequantizing_config` does."""
+    from zoo import make_tiny
+
+    from voodoo.export import prequantized_tensors
+    from voodoo.models import dequantizing_config
+    from voodoo.pipeline import load_context
+    hf = _fp8_copy(make_tiny("llama"), tmp_path / "llama-fp8")
+    qc = dequantizing_config(hf)
+    assert type(qc).__name__ == "FineGrainedFP8Config" and qc.dequantize is True
+    ctx = load_context(str(hf), work_dir=tmp_path / "work")
+    assert ctx.model.model.layers[0].self_attn.q_proj.weight.dtype.is_floating_point
+    assert ctx.model.model.layers[0].self_attn.q_proj.weight.dtype.itemsize == 4
+    assert not prequantized_tensors(ctx.prepared.base_gguf)
