@@ -190,8 +190,9 @@ def precache_ray(jobs: Iterable, cache: CandidateCache, max_workers: int | None 
     """Quantizes every job not already cached on a Ray cluster; same result as
     :func:`voodoo.candidates.precache_local`.
 
-    Calls ``ray.init(address=$RAY_ADDRESS)`` when Ray is not initialized (no address: an
-    existing local cluster or a new one) and leaves Ray running.
+    Joins or starts Ray when it is not initialized (:func:`cluster.session.ensure_ray` with
+    ``address=$RAY_ADDRESS``, checked first: no address starts a local Ray, which stops with
+    this process however it ends) and leaves it running.
 
     Args:
         jobs: list of ``(gguf_name, weights float32 (n_rows, n_per_row) GGUF layout,
@@ -233,7 +234,9 @@ def precache_ray(jobs: Iterable, cache: CandidateCache, max_workers: int | None 
             print(f"[voodoo precache] {result.summary()}", file=sys.stderr, flush=True)
         return result
     if not ray.is_initialized():
-        ray.init(address=os.environ.get("RAY_ADDRESS") or None)
+        from .session import check_address, ensure_ray
+        check_address()  # a dead RAY_ADDRESS: ray.init would retry it forever
+        ensure_ray(address=os.environ.get("RAY_ADDRESS") or None)
 
     res = _resources(resources)
     n_workers = min(n_quantize_workers(max_workers, resources), len(todo))

@@ -86,11 +86,19 @@ def ensure_ray(**init_kwargs) -> bool:
     import ray
     if ray.is_initialized():
         return False
+    import threading
+    main = threading.current_thread() is threading.main_thread()
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGHUP)} \
+        if main else {}
     ray.init(**init_kwargs)
+    # ray.init leaves C-level handlers of Ray's core worker on SIGTERM in the driver (a stack
+    # dump, then abort: exit 134, no journal saved); the handlers Python had are put back
+    for sig, h in before.items():
+        if h is not None:
+            signal.signal(sig, h)
     if not started_local_ray():
         return False
-    import threading
-    if threading.current_thread() is threading.main_thread():
+    if main:
         for sig in (signal.SIGTERM, signal.SIGHUP):
             if signal.getsignal(sig) in (signal.SIG_DFL, None):
                 signal.signal(sig, _sigterm_to_exit)

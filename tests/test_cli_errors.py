@@ -509,6 +509,33 @@ def test_export_uses_the_assignments_folder_and_refuses_another_imatrix(
     assert not list(third.glob("*.Voodoo*.gguf"))
 
 
+def test_export_refuses_error_feedback_bytes_of_other_calibration_tokens(
+        tiny_fixed, tmp_path):  # noqa: F811
+    """The run folder's data remade with other flags after training: `export --assignment`
+    remade the input Hessians from the new tokens and wrote other error-feedback bytes than
+    the gates chose between, with the same metadata, silently. Now one line before the
+    Hessians are touched; --rounding ggml (llama-quantize's bytes) still exports."""
+    out = tmp_path / "run"
+    rc, _, err = run_cli(["train", "--model", str(tiny_fixed), "--output_dir", str(out),
+                          *SMALL])
+    assert rc == 0, err[-3000:]
+    asg = next(out.glob("*.assignment.json"))
+    assert json.loads(asg.read_text())["provenance"]["rounding"] != "ggml"
+    hessians = (out / "hessians.npz").read_bytes()
+    rc, _, err = run_cli(["data", "--model", str(tiny_fixed), "--output_dir", str(out),
+                          "--seq_len", "64", "--n_train_blocks", "6", "--n_eval_blocks", "2"])
+    assert rc == 0, err[-3000:]
+    rc, _, err = run_cli(["export", "--assignment", str(asg), "--output_name", "again"])
+    line = error_line(rc, err, "export")
+    assert "trained on other calibration tokens" in line and "--rounding ggml" in line
+    assert not (out / "again.gguf").exists()
+    assert (out / "hessians.npz").read_bytes() == hessians
+    rc, _, err = run_cli(["export", "--assignment", str(asg), "--output_name", "again",
+                          "--rounding", "ggml"])
+    assert rc == 0, err[-3000:]
+    assert (out / "again.gguf").is_file()
+
+
 def test_ray_student_factory_paths_are_absolute(tmp_path, monkeypatch):
     """`train --ray --output_dir runs/x` (relative) failed after every expensive stage: the
     Ray Train worker, in its own working directory, could not find runs/x/imatrix.gguf. The
@@ -884,10 +911,14 @@ def test_a_ray_address_where_nothing_answers_is_refused_first(tiny_fixed, tmp_pa
         port = s.getsockname()[1]
     monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{port}")
     out = tmp_path / "run"
-    for cmd in ("train", "tune"):
+    # `train --ray`, `tune`, and (since 2026-12-05) `run`/`precache` whose candidates go to Ray
+    # actors (no --no_ray): that one hung at the candidates on a fresh cache
+    for cmd, extra in (("train", ["--ray"]), ("tune", []), ("run", []), ("precache", [])):
         argv = [cmd, "--model", str(tiny_fixed), "--output_dir", str(out),
                 *[x for x in SMALL if x != "--no_ray"]]
-        rc, _, err = run_cli(argv + (["--ray"] if cmd == "train" else []))
+        if cmd == "precache":
+            argv = argv[:argv.index("--max_steps")]
+        rc, _, err = run_cli(argv + extra)
         line = error_line(rc, err, cmd)
         assert f"RAY_ADDRESS=127.0.0.1:{port}" in line and "ray start --head" in line
         nothing_written(out)

@@ -259,3 +259,18 @@ def test_export_removes_a_killed_exports_partial_file(tiny_prepared, tmp_path):
     live.write_bytes(b"y")
     export_gguf(base, {"blk.0.ffn_down.weight": "Q4_0"}, _lookup_from(base, {}), out)
     assert sorted(f.name for f in tmp_path.iterdir()) == sorted([out.name, live.name])
+
+
+def test_an_unwritable_model_index_costs_only_the_lookup(tiny_prepared, tmp_path, monkeypatch,
+                                                          capsys):
+    """A read-only or broken ``<cache>/models/by-sha256`` stopped the export after training
+    (the assignment already replaced, the GGUF not); now one warning, and the id is still
+    returned (and written into the GGUF)."""
+    import voodoo.export as ex
+    blocker = tmp_path / "afile"
+    blocker.write_text("not a folder")
+    monkeypatch.setattr(ex, "_index_dir", lambda: blocker / "by-sha256")
+    mid = ex.record_model(tiny_prepared, sha256="ab" * 32)
+    assert mid == ex.model_id(tiny_prepared.name, "ab" * 32)
+    err = capsys.readouterr().err
+    assert "cannot record which model sha256 abababababab" in err and "--model" in err

@@ -349,3 +349,51 @@ def test_untied_model_resumes(tmp_path):
     assert "other inputs" not in stderr
     (asg,) = out.glob("*.assignment.json")
     assert len(json.loads(asg.read_text())["tensors"]) > 0
+
+
+def test_a_damaged_hessians_file_is_recomputed(tiny_fixed, tmp_path):
+    """A cut-off or byte-flipped ``hessians.npz`` made every rerun stop with a raw
+    ``BadZipFile``/``Bad CRC-32`` until deleted by hand; it is now recomputed, to the same
+    values, with one line naming the file."""
+    import torch
+
+    from voodoo.pipeline import ensure_hessians, load_context
+    ctx = load_context(str(tiny_fixed), with_tokenizer=False)
+    vocab = int(ctx.model.config.vocab_size)
+    blocks = torch.randint(0, vocab, (2, 32), generator=torch.Generator().manual_seed(0))
+    path = tmp_path / "hessians.npz"
+    want = ensure_hessians(ctx, path, blocks, {"t": 1})
+    good = path.read_bytes()
+    flipped = bytearray(good)
+    mid = len(good) // 2
+    flipped[mid:mid + 16] = bytes(b ^ 0xFF for b in flipped[mid:mid + 16])
+    for damaged in (good[:len(good) // 2], bytes(flipped)):
+        path.write_bytes(damaged)
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            got = ensure_hessians(ctx, path, blocks, {"t": 1})
+        assert f"{path} is unreadable" in err.getvalue()
+        assert set(got) == set(want)
+        for k in want:
+            np.testing.assert_allclose(got[k], want[k], rtol=1e-6, err_msg=k)
+        assert path.read_bytes() != damaged
+
+
+def test_a_damaged_cached_base_gguf_is_converted_again(tiny_fixed, tmp_path):
+    """Flipped bytes in the cached ``base-f32.gguf`` were reported as a wrong tensor map ("the
+    map is wrong for this model"); the model is now converted again, and a base that then
+    agrees says the cached one was damaged."""
+    from voodoo.pipeline import load_context
+    ctx = load_context(str(tiny_fixed), work_dir=tmp_path / "w", with_tokenizer=False)
+    base = Path(ctx.prepared.base_gguf)
+    assert tmp_path in base.parents
+    good = base.read_bytes()
+    bad = bytearray(good)
+    bad[-4096:-4000] = b"\xff" * 96            # inside the last tensor's F32 data: NaNs
+    base.write_bytes(bytes(bad))
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        ctx2 = load_context(str(tiny_fixed), work_dir=tmp_path / "w", with_tokenizer=False)
+    log = err.getvalue()
+    assert "in case the cached" in log and "the cached one was damaged" in log
+    assert Path(ctx2.prepared.base_gguf).read_bytes() == good

@@ -672,12 +672,20 @@ def _match_size_target(value) -> int | str:
     return t.upper()
 
 
-def _check_ray_flags(a) -> None:
-    """Ray-only flags without --ray fail before any work; with --ray, a RAY_ADDRESS where no
-    cluster answers fails too (:func:`cluster.session.check_address`)."""
-    if getattr(a, "ray", False):
+def _check_ray_address(a) -> None:
+    """A RAY_ADDRESS where no cluster answers (:func:`cluster.session.check_address`) fails
+    before any work when this command will start Ray: ``--ray``, or candidates quantized by
+    Ray actors (no ``--no_ray``); else ``ray.init`` retries it forever at the candidates."""
+    if getattr(a, "ray", False) or (hasattr(a, "no_ray") and not a.no_ray):
         from cluster.session import check_address
         check_address()
+
+
+def _check_ray_flags(a) -> None:
+    """Ray-only flags without --ray fail before any work; a RAY_ADDRESS where no cluster
+    answers fails too when Ray will be used (:func:`_check_ray_address`)."""
+    _check_ray_address(a)
+    if getattr(a, "ray", False):
         if a.tensor_parallel < 1:
             raise UsageError(f"--tensor_parallel must be >= 1, got {a.tensor_parallel}")
         if a.cpus_per_worker is not None and not a.cpus_per_worker >= 0:
@@ -1295,6 +1303,17 @@ class Run:
         from .provenance import tokens_sha256
         if getattr(self, "train_blocks", None) is None:
             self.data()
+        expect = getattr(self, "expect_tokens", None)
+        if expect is not None and tokens_sha256(self.train_blocks) != expect[0]:
+            from .provenance import ProvenanceError
+            raise ProvenanceError(
+                f"{expect[1]} was trained on other calibration tokens (sha256 "
+                f"{expect[0][:12]}…) than {self.out / 'data'} holds now (sha256 "
+                f"{tokens_sha256(self.train_blocks)[:12]}…): its error-feedback candidates "
+                "would be remade from other input Hessians, not the bytes its gates chose "
+                "between. Restore the data it was trained on (the same `voodoo data` flags: "
+                "--data_name, --n_train_blocks, --seq_len, --seed), or pass --rounding ggml to "
+                "write llama-quantize's bytes of the same types")
         want = getattr(self.a, "hessian_blocks", None)
         if want and want > len(self.train_blocks):
             from .pipeline import log
@@ -1809,6 +1828,7 @@ def _precache(argv):
     _data_flags(ap)
     _menu_flags(ap)
     a = _parse_keeping_run_data(ap, argv)
+    _check_ray_address(a)
     r = Run(a)
     r.context()
     _default_rounding(a, r.ctx.specs)
@@ -2098,6 +2118,8 @@ def _use_assignment_rounding(a, asg, r=None) -> None:
     a.rounding = made
     if a.hessian_blocks is None and "hessian_blocks" in prov:
         a.hessian_blocks = int(prov["hessian_blocks"])
+    if r is not None and made != "ggml" and prov.get("tokens"):
+        r.expect_tokens = (prov["tokens"], a.assignment)  # checked by Run.input_hessians
 
 
 def _use_assignment_imatrix(a, asg, r) -> None:

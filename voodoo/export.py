@@ -378,15 +378,22 @@ def record_model(prepared, sha256: str | None = None) -> str:
     which local model a content hash stands for, so ``voodoo eval --gguf`` / ``voodoo chat
     --reference`` find the reference of a GGUF whose ``voodoo.model`` names that hash.
     ``prepared``: a :class:`voodoo.models.PreparedModel`. ``sha256``: of its
-    ``reference_gguf`` (computed when None). Returns :func:`model_id`."""
+    ``reference_gguf`` (computed when None). Returns :func:`model_id`. A cache that cannot be
+    written (read-only, full) costs only the lookup: one warning, and the id is returned."""
     from .evaluate import _sha256_file
     from .fsutil import atomic_write_text
     sha = sha256 or _sha256_file(Path(prepared.reference_gguf))
     src = prepared.reference_gguf if prepared.source == "gguf" else prepared.hf_dir
-    atomic_write_text(_index_dir() / f"{sha}.json", json.dumps(
-        {"name": prepared.name, "model": str(Path(src).resolve()),
-         "reference_gguf": str(Path(prepared.reference_gguf).resolve()),
-         "source": prepared.source}, indent=1) + "\n")
+    try:
+        atomic_write_text(_index_dir() / f"{sha}.json", json.dumps(
+            {"name": prepared.name, "model": str(Path(src).resolve()),
+             "reference_gguf": str(Path(prepared.reference_gguf).resolve()),
+             "source": prepared.source}, indent=1) + "\n")
+    except OSError as e:
+        import sys
+        print(f"[voodoo] warning: cannot record which model sha256 {sha[:12]}… is in "
+              f"{_index_dir()} ({e.strerror or e}); `voodoo eval --gguf`/`chat --reference` "
+              "will then need --model", file=sys.stderr, flush=True)
     return model_id(prepared.name, sha)
 
 

@@ -107,7 +107,7 @@ def load_context(model_arg, work_dir=None, with_tokenizer: bool = True,
     model needs).
 
     Raises ModelPreparationError / UnsupportedArchitecture / TensorMapError with what to do."""
-    from .tensormap import check_against_base, derive_tensor_map
+    from .tensormap import TensorMapError, check_against_base, derive_tensor_map
     prepared = prepare_model(model_arg, work_dir)
     model = load_hf_model(prepared)
     if converter_args is None:
@@ -116,7 +116,19 @@ def load_context(model_arg, work_dir=None, with_tokenizer: bool = True,
         converter_args = _needed_converter_flags(prepared)
     tmap = derive_tensor_map(model, prepared.hf_dir, converter_args)
     if check:
-        check_against_base(tmap, model, base_weights(prepared.base_gguf, names=tmap.names))
+        try:
+            check_against_base(tmap, model, base_weights(prepared.base_gguf, names=tmap.names))
+        except TensorMapError as e:
+            base = Path(prepared.base_gguf)
+            if base.name != "base-f32.gguf" or base.resolve() == Path(model_arg).resolve():
+                raise
+            # a derived file Voodoo wrote: damaged on disk, or the map is wrong. Converting
+            # again tells the two apart (a second disagreement is the map's)
+            log(f"{e}\nconverting the model again in case the cached {base} is damaged")
+            base.unlink(missing_ok=True)
+            prepared = prepare_model(model_arg, work_dir)
+            check_against_base(tmap, model, base_weights(prepared.base_gguf, names=tmap.names))
+            log(f"the new {base.name} agrees with the model: the cached one was damaged")
     adapter = _tp_adapter(model, tmap)
     tok = None
     if with_tokenizer:
@@ -423,10 +435,16 @@ def ensure_hessians(ctx: Context, path, blocks: torch.Tensor | None = None,
     # by address (older files gave later layers an early layer's Hessian)
     want = json.dumps({**(inputs or {}), "hessians_version": 3}, sort_keys=True)
     if path.is_file():
-        got = load_hessians(path, want)
-        if got is not None:
-            return got
-        log(f"{path} was made from other inputs; recomputing it")
+        import zipfile
+        try:
+            got = load_hessians(path, want)
+        except (zipfile.BadZipFile, OSError, EOFError, ValueError, KeyError) as e:
+            log(f"{path} is unreadable ({type(e).__name__}: {e}: a damaged or cut-off file); "
+                "recomputing it")
+        else:
+            if got is not None:
+                return got
+            log(f"{path} was made from other inputs; recomputing it")
     if blocks is None:
         raise ValueError("no input Hessians file and no calibration blocks to compute one")
     names = dict(_linear_name_map(ctx, partial=True) or {})
