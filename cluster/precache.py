@@ -54,17 +54,27 @@ class PrecacheError(RuntimeError):
             e = str(e).strip().splitlines()[0] if str(e).strip() else str(e)
             return e if len(e) <= 160 else e[:157] + "..."
         oom = sum(1 for e in failures.values() if "OutOfMemoryError" in str(e))
-        shown = [(k, e) for k, e in failures.items() if "OutOfMemoryError" not in str(e)][:3]
+        shown = [(k, e) for k, e in failures.items() if "OutOfMemoryError" not in str(e)
+                 and "no live quantize actor" not in str(e)][:3]
         lines = "; ".join(f"{n} {t}: {short(e)}" for (n, t), e in shown)
+        gone = sum(1 for e in failures.values() if "no live quantize actor" in str(e))
         msg = f"{len(failures)} candidate(s) failed after retries"
+        if gone:
+            msg = (f"{len(failures)} candidate(s) not built: every quantize actor died and "
+                   f"the replacements ran out ({gone} never got one; Ray's log says why an actor "
+                   "died: a killed process, lost node or memory). Run the same command again: "
+                   "every candidate already built stays in the cache")
         if oom:
             msg += (f"; {oom} of them were killed by Ray's memory monitor (the node ran out of "
                     "memory, often because other jobs hold it): free memory, or quantize in this "
                     "process with --no_ray, and run the same command again; every candidate "
                     "already built stays in the cache")
         if lines:
-            more = len(failures) - oom - len(shown)
+            more = len(failures) - oom - gone - len(shown)
             msg += f"; {lines}" + (f" (and {more} more)" if more > 0 else "")
+        if not oom and not gone:
+            msg += ("; every candidate already built stays in the cache: the same command "
+                    "retries the rest")
         super().__init__(msg)
 
 

@@ -536,6 +536,28 @@ def test_export_refuses_error_feedback_bytes_of_other_calibration_tokens(
     assert (out / "again.gguf").is_file()
 
 
+def test_a_file_where_a_cache_folder_goes_is_refused_first(tiny_fixed, tmp_path,  # noqa: F811
+                                                           monkeypatch):
+    """`--cache_dir F` (F a file, or a path under one) failed after the imatrix and Hessians
+    with "Not a directory"; `VOODOO_CACHE=F` blamed an unbuilt llama.cpp. Both now one line
+    naming the flag, before any stage."""
+    blocker = tmp_path / "afile"
+    blocker.write_text("x")
+    out = tmp_path / "run"
+    for where in (blocker, blocker / "candidates"):
+        rc, _, err = run_cli(["precache", "--model", str(tiny_fixed), "--output_dir", str(out),
+                              "--cache_dir", str(where), "--no_ray"])
+        line = error_line(rc, err, "precache")
+        assert f"--cache_dir {where}" in line and "is a file, not a folder" in line
+        nothing_written(out)
+    monkeypatch.setenv("VOODOO_CACHE", str(blocker))
+    rc, _, err = run_cli(["train", "--model", str(tiny_fixed), "--output_dir", str(out),
+                          *SMALL])
+    line = error_line(rc, err, "train")
+    assert f"VOODOO_CACHE {blocker}" in line and "is a file, not a folder" in line
+    nothing_written(out)
+
+
 def test_ray_student_factory_paths_are_absolute(tmp_path, monkeypatch):
     """`train --ray --output_dir runs/x` (relative) failed after every expensive stage: the
     Ray Train worker, in its own working directory, could not find runs/x/imatrix.gguf. The

@@ -150,6 +150,21 @@ def _data_flags(ap):
                          "../shared/data/wikitext-2-raw-test.txt is absent)")
 
 
+def _check_cache_paths(a) -> None:
+    """``--cache_dir`` or ``$VOODOO_CACHE`` naming something that is not a folder fails here,
+    naming the flag (it failed after the imatrix and Hessians with "Not a directory", or, for
+    ``VOODOO_CACHE``, as a llama.cpp that is not built)."""
+    for what, value in (("--cache_dir", getattr(a, "cache_dir", None)),
+                        ("VOODOO_CACHE", os.environ.get("VOODOO_CACHE"))):
+        if not value:
+            continue
+        p = Path(value).expanduser()
+        bad = next((q for q in (p, *p.parents) if q.exists()), None)
+        if bad is not None and not bad.is_dir():
+            raise UsageError(f"{what} {value}: {bad} is a file, not a folder; give a folder "
+                             "(it is created if missing)")
+
+
 def _parse_keeping_run_data(ap, argv, adopt=lambda a: True):
     """``ap.parse_args(argv)``, where the dataset flags (:data:`_DATA_KEYS`) not given are the
     run folder's own (its ``data/meta.json``, :func:`_data_of_run`) when it has data and
@@ -158,6 +173,7 @@ def _parse_keeping_run_data(ap, argv, adopt=lambda a: True):
     instead of rebuilding the data with the defaults. One line names what was taken."""
     defaults = _run_data_defaults(ap)
     a = ap.parse_args(argv)
+    _check_cache_paths(a)
     taken = _data_of_run(a) if adopt(a) else {}
     for k, v in defaults.items():
         if getattr(a, k) is None:

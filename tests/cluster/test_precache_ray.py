@@ -175,3 +175,19 @@ def test_quant_workers_env_is_checked(ray_local, monkeypatch):
             n_quantize_workers()
     monkeypatch.setenv("VOODOO_QUANT_WORKERS", "1")
     assert n_quantize_workers() == 1
+
+
+def test_precache_error_says_what_a_rerun_does():
+    """Every quantize actor killed (4 kills, replacements spent) read "130 candidate(s) failed
+    after retries" though only 4 were tried, with no way forward; the message now says the
+    actors died and that the same command resumes from the cache."""
+    from cluster.precache import PrecacheError
+    gone = {(f"blk.{i}.ffn_up.weight", "Q4_K"): "no live quantize actor" for i in range(5)}
+    msg = str(PrecacheError({("blk.0.attn_q.weight", "Q8_0"): "ActorDiedError: killed",
+                             **gone}, None))
+    assert msg.startswith("6 candidate(s) not built: every quantize actor died")
+    assert "5 never got one" in msg and "Run the same command again" in msg
+    assert "blk.0.attn_q.weight Q8_0: ActorDiedError: killed" in msg
+    assert "no live quantize actor" not in msg
+    other = str(PrecacheError({("t", "Q8_0"): "ValueError: bad rows"}, None))
+    assert "failed after retries" in other and "the same command retries the rest" in other
