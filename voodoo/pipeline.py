@@ -198,23 +198,31 @@ def base_weights(base_gguf, names=None) -> Mapping[str, np.ndarray]:
     the base GGUF, in GGUF layout; a 3-D tensor (stacked experts) has its experts' rows
     stacked. ``names``: only these.
 
-    An F32 tensor is a memory-mapped view. A tensor the converter wrote in another type --
-    F16/BF16, or a checkpoint's own quantized blocks that ``convert_hf_to_gguf.py`` repacks
-    losslessly instead of dequantizing (gpt-oss's MXFP4 experts: ``repack_mxfp4`` in the pinned
-    ``conversion/gpt_oss.py``) -- is dequantized with libggml's ``to_float`` when it is read
-    (what ``llama-quantize --allow-requantize`` quantizes from), one tensor at a time."""
+    F32 tensors are memory-mapped views. Weights the converter kept quantized -- a
+    checkpoint's own blocks that ``convert_hf_to_gguf.py`` repacks losslessly instead of
+    dequantizing (gpt-oss's MXFP4 experts: ``repack_mxfp4`` in the pinned
+    ``conversion/gpt_oss.py``) -- are read from the base's dequantized copy
+    (:func:`voodoo.export.dequantized_copy`, libggml's ``to_float``; written once, so they are
+    memory-mapped too): the values ``llama-quantize --allow-requantize`` quantizes from. Any
+    other non-F32 tensor (F16/BF16) is converted when read."""
     from gguf import GGMLQuantizationType
 
+    from .export import dequantized_copy, prequantized_tensors
     from .ggufio import read_gguf
-    r = read_gguf(base_gguf)
     want = set(names) if names is not None else None
-    return _BaseWeights({t.name: t for t in r.tensors
-                         if (want is None or t.name in want) and len(t.shape) >= 2},
-                        GGMLQuantizationType.F32)
+
+    def pick(path):
+        return {t.name: t for t in read_gguf(path).tensors
+                if (want is None or t.name in want) and len(t.shape) >= 2}
+    tensors = pick(base_gguf)
+    if any(n in tensors for n in prequantized_tensors(base_gguf)):
+        tensors.update({n: t for n, t in pick(dequantized_copy(base_gguf)).items()
+                        if n in tensors})
+    return _BaseWeights(tensors, GGMLQuantizationType.F32)
 
 
 class _BaseWeights(Mapping):
-    """The read-only mapping :func:`base_weights` returns (F32 views; other types dequantized
+    """The read-only mapping :func:`base_weights` returns (F32 views; another type converted
     on access, the last one kept)."""
 
     def __init__(self, tensors: dict, f32):
@@ -238,11 +246,6 @@ class _BaseWeights(Mapping):
 
     def __len__(self) -> int:
         return len(self._t)
-
-    def quantized(self) -> dict[str, str]:
-        """GGUF name -> ggml type name of the tensors stored other than as F32."""
-        return {n: t.tensor_type.name for n, t in self._t.items()
-                if t.tensor_type != self._f32}
 
 
 def parse_types(text: str | Sequence[str] | None) -> list[str] | None:
