@@ -914,6 +914,12 @@ def test_a_run_folder_in_use_is_refused(tiny_fixed, tmp_path):  # noqa: F811
         assert f"{out} is in use by another Voodoo run" in line and str(holder.pid) in line
         assert "--output_dir" in line
         assert not (out / "data").exists()
+        # `voodoo data` into that folder too (it rewrote data/ under a running train)
+        rc, _, err = run_cli(["data", "--model", str(tiny_fixed), "--output_dir", str(out),
+                              "--seq_len", "64", "--n_train_blocks", "4"])
+        line = error_line(rc, err, "data")
+        assert f"{out} is in use by another Voodoo run" in line and str(holder.pid) in line
+        assert not (out / "data").exists()
     finally:
         holder.kill()
         holder.wait()

@@ -1804,6 +1804,9 @@ def _data(argv):
         _check_seq_len(a, config)
     out = Path(a.data_dir or (Path(a.output_dir or "runs/" + prepared.name) / "data"))
     _check_not_in_ray_job_copy(out)
+    if not a.data_dir:  # a run folder's data: not while a run trains on it
+        out.parent.mkdir(parents=True, exist_ok=True)
+        _lock_run_folder(out.parent, "data")
     n_train, up_to = _train_blocks_asked(a)
     meta = build_dataset(tok, a.data_name, out, a.seq_len, n_train, a.n_eval_blocks, a.seed,
                          up_to=up_to)
