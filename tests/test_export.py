@@ -259,6 +259,13 @@ def test_export_removes_a_killed_exports_partial_file(tiny_prepared, tmp_path):
     live.write_bytes(b"y")
     export_gguf(base, {"blk.0.ffn_down.weight": "Q4_0"}, _lookup_from(base, {}), out)
     assert sorted(f.name for f in tmp_path.iterdir()) == sorted([out.name, live.name])
+    # and llama-quantize's unfinished file of a SIGKILLed run (a stock file of `voodoo run`)
+    stock = tmp_path / "stock"
+    stock.mkdir()
+    dead_q = stock / f".q.gguf.{int(p.stdout)}.llama-quantize.partial"
+    dead_q.write_bytes(b"z" * 100)
+    quantize_with_llama(base, stock / "q.gguf", default_type="Q8_0")
+    assert sorted(f.name for f in stock.iterdir()) == ["q.gguf"]
 
 
 def test_an_unwritable_model_index_costs_only_the_lookup(tiny_prepared, tmp_path, monkeypatch,

@@ -138,9 +138,9 @@ def dominant_file_type(weights: Mapping[str, int]) -> int:
 
 # ------------------------------------------------------------------------------ export
 def _remove_dead_partials(out_path: Path) -> None:
-    """Removes ``.<name>.<pid>.*.partial`` files left beside ``out_path`` by an export whose
-    process is gone (killed with SIGKILL, or the machine went down); a live process's file is
-    left alone."""
+    """Removes ``.<name>.<pid>.*.partial`` files left beside ``out_path`` by an export or a
+    :func:`quantize_with_llama` whose process is gone (killed with SIGKILL, or the machine went
+    down); a live process's file is left alone."""
     for f in out_path.parent.glob(f".{out_path.name}.*.partial"):
         pid = f.name[len(out_path.name) + 2:].split(".", 1)[0]
         if not pid.isdigit():
@@ -523,7 +523,8 @@ def quantize_with_llama(base_gguf: str | os.PathLike, out: str | os.PathLike,
     exe = tool_path("llama-quantize")
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")
+    _remove_dead_partials(out)  # a SIGKILLed run's unfinished file
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.llama-quantize.partial")
     cmd = [str(exe)]
     if imatrix_file is not None:
         cmd += ["--imatrix", str(imatrix_file)]
