@@ -113,23 +113,43 @@ def ensure_ray(**init_kwargs) -> bool:
 
 
 def check_address() -> None:
-    """``RAY_ADDRESS=host:port`` (a GCS address, as ``ray start --head`` prints) where nothing
-    answers: ``ray.init`` would retry forever, after every expensive stage. Checked with one TCP
-    connect (5 s). Raises ConnectionError naming the address and the way out; an ``http://``
-    (job server), ``auto`` or ``local`` address is left to Ray."""
+    """``RAY_ADDRESS`` that ``ray.init`` cannot join, refused before any work: ``host:port``
+    (a GCS address, as ``ray start --head`` prints) or ``ray://host:port`` (Ray Client) where
+    nothing answers (one TCP connect, 5 s; ``ray.init`` would retry forever, after every
+    expensive stage), ``auto`` with no Ray running on this machine, and an ``http(s)://``
+    address (the job server's, for ``ray job submit``, which ``ray.init`` rejects). ``local``
+    (a new local Ray) passes. Raises ConnectionError naming the address and the way out."""
     import socket
     addr = os.environ.get("RAY_ADDRESS", "").strip()
-    if not addr or "://" in addr or addr in ("auto", "local"):
+    if not addr or addr == "local":
         return
-    host, _, port = addr.rpartition(":")
+    way_out = ("start one (`ray start --head`) or fix RAY_ADDRESS, or unset it to run on a "
+               "local Ray")
+    if addr == "auto":
+        from ray._private.services import canonicalize_bootstrap_address_or_die
+        try:
+            canonicalize_bootstrap_address_or_die(addr)
+        except ConnectionError:
+            raise ConnectionError(f"RAY_ADDRESS=auto: no Ray is running on this machine; "
+                                  f"{way_out}") from None
+        return
+    scheme, sep, rest = addr.partition("://")
+    if sep and scheme in ("http", "https"):
+        raise ConnectionError(
+            f"RAY_ADDRESS={addr} is a job server's address (what `ray job submit --address` "
+            "takes); Voodoo's commands join a cluster with ray.init, which needs its GCS "
+            "address (host:6379, printed by `ray start --head`) or a Ray Client address "
+            "(ray://host:10001); inside `ray job submit` jobs Ray sets it already")
+    if sep and scheme != "ray":
+        return
+    host, _, port = (rest if sep else addr).rpartition(":")
     if not host or not port.isdigit():
         return
     try:
         socket.create_connection((host, int(port)), timeout=5).close()
     except OSError as e:
-        raise ConnectionError(f"RAY_ADDRESS={addr}: no Ray cluster answers there ({e}); start "
-                              "one (`ray start --head`) or fix RAY_ADDRESS, or unset it to "
-                              "run on a local Ray") from None
+        raise ConnectionError(f"RAY_ADDRESS={addr}: no Ray cluster answers there ({e}); "
+                              f"{way_out}") from None
 
 
 def check_feasible(need: dict, what: str, fix: str) -> None:

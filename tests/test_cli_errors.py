@@ -950,6 +950,16 @@ def test_a_ray_address_where_nothing_answers_is_refused_first(tiny_fixed, tmp_pa
         line = error_line(rc, err, cmd)
         assert f"RAY_ADDRESS=127.0.0.1:{port}" in line and "ray start --head" in line
         nothing_written(out)
+    # a Ray Client address where nothing answers, and the job server's http:// address
+    # (ray.init rejects it): both failed only after data, pre-flight, imatrix and Hessians
+    argv = ["run", "--model", str(tiny_fixed), "--output_dir", str(out),
+            *[x for x in SMALL if x != "--no_ray"]]
+    for addr, words in ((f"ray://127.0.0.1:{port}", "no Ray cluster answers there"),
+                        (f"http://127.0.0.1:{port}", "job server's address")):
+        monkeypatch.setenv("RAY_ADDRESS", addr)
+        line = error_line(*run_cli(argv)[::2], "run")
+        assert f"RAY_ADDRESS={addr}" in line and words in line, line
+        nothing_written(out)
 
 
 def test_a_worker_request_this_machine_cannot_hold_is_refused_first(tiny_fixed, tmp_path,  # noqa: F811

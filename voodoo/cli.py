@@ -1594,12 +1594,17 @@ class Run:
         from .train import JOURNAL_NAME
         return cfg.gate_init == "fisher" and not (self.out / "train" / JOURNAL_NAME).exists()
 
-    def gate_prior(self, cfg, teacher):
+    def gate_prior(self, cfg, teacher, resuming: bool | None = None):
         """``--gate_init fisher``: the starting logits (:func:`voodoo.pipeline.fisher_prior`),
         also written to ``<output_dir>/train/sensitivity.json``; None for the other inits or
-        when a journal will be resumed (it has its own gates)."""
+        when a journal will be resumed (it has its own gates). ``resuming``: whether one will
+        (default: the in-process ``train/partial.pt`` exists; under ``--ray`` the caller says
+        whether the Ray Train run has a complete checkpoint: an in-process journal in the
+        folder does not start a Ray run, whose workers then need these logits)."""
         from .train import JOURNAL_NAME
-        if cfg.gate_init != "fisher" or (self.out / "train" / JOURNAL_NAME).exists():
+        if resuming is None:
+            resuming = (self.out / "train" / JOURNAL_NAME).exists()
+        if cfg.gate_init != "fisher" or resuming:
             return None
         from .pipeline import fisher_prior
         teacher.to(cfg.device)  # the Fisher's backward passes run where training will
@@ -1632,11 +1637,15 @@ class Run:
         self.memory_plan(cfg, decide=not a.device_map and a.tensor_parallel == 1)
         # GPU workers compute it on their GPU, except for a lazy student (no dense candidates
         # there to weigh): then the driver does, as on the CPU
+        run_name, storage = _ray_run_name(a, self.out), _ray_storage(a, self.out)
         if cfg.gate_init == "fisher" and (not use_gpu or a.lazy):
+            from cluster.train import newest_checkpoint
+
             from .pipeline import build_teacher
             init = self.gate_prior(cfg, build_teacher(self.ctx, a.teacher_quant,
-                                                      checkpoint=a.teacher_checkpoint))
-        run_name, storage = _ray_run_name(a, self.out), _ray_storage(a, self.out)
+                                                      checkpoint=a.teacher_checkpoint),
+                                   resuming=newest_checkpoint(Path(storage) / run_name)
+                                   is not None)
         self.check_training_state(str(Path(storage) / run_name), "Ray Train checkpoint folder")
         nw = a.num_workers
         if nw is None:

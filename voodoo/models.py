@@ -343,6 +343,7 @@ def _prepare_hf_dir(d: Path, work_dir, name: str | None = None,
     if not cfg_path.is_file():
         raise ModelPreparationError(f"{d} has no config.json; it is not an HF model folder")
     cfg = json.loads(cfg_path.read_text())
+    dequantizing_config(d)               # quantized weights transformers cannot dequantize
     info = converter_info(cfg)           # fails early, naming the architecture, if unknown
     _check_causal_lm(d, converter_text_model=info["supported"])
     if info["mmproj"]:

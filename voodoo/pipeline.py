@@ -124,7 +124,8 @@ def load_context(model_arg, work_dir=None, with_tokenizer: bool = True,
                 raise
             # a derived file Voodoo wrote: damaged on disk, or the map is wrong. Converting
             # again tells the two apart (a second disagreement is the map's)
-            log(f"{e}\nconverting the model again in case the cached {base} is damaged")
+            log(f"{str(e).split('; the map')[0]}: converting the model again in case the "
+                f"cached {base} is damaged")
             base.unlink(missing_ok=True)
             prepared = prepare_model(model_arg, work_dir)
             check_against_base(tmap, model, base_weights(prepared.base_gguf, names=tmap.names))

@@ -152,3 +152,17 @@ def test_voodoo_tune(tiny_fixed, tmp_path, ray_up):
     assert asg.with_name(asg.name.replace(".assignment.json", ".gguf")).is_file()
     # the objective scored the assignment that was exported (same bake, fill included)
     assert json.loads(asg.read_text())["total_bytes"] == best["total_bytes"], best
+
+
+def test_ray_run_in_a_folder_holding_an_in_process_journal(tiny_fixed, tmp_path, reference):
+    """An in-process journal (`train/partial.pt`, e.g. a stopped run without --ray) made
+    `train --ray` in the same folder skip the Fisher prior, as if resuming, though the Ray run
+    had no checkpoint: its worker then died with StopIteration. The prior is now skipped only
+    for a Ray checkpoint, and the Ray run starts from it as a fresh in-process run does."""
+    out = tmp_path / "both"
+    rc, stdout, err = run_cli(["train", "--model", str(tiny_fixed), "--output_dir", str(out),
+                               *DATA, *MENU, *TRAIN, "--stop_after", "1"])
+    assert rc == 0, (stdout + err)[-4000:]
+    assert (out / "train" / "partial.pt").is_file()
+    asg, _, _ = train(tiny_fixed, out, "--ray", "--num_workers", "0")
+    assert types(asg) == types(reference)
