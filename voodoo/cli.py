@@ -158,9 +158,9 @@ def _check_cache_paths(a) -> None:
                         ("VOODOO_CACHE", os.environ.get("VOODOO_CACHE"))):
         if not value:
             continue
-        p = Path(value).expanduser()
-        bad = next((q for q in (p, *p.parents) if q.exists()), None)
-        if bad is not None and not bad.is_dir():
+        from .fsutil import file_in_the_way
+        bad = file_in_the_way(value)
+        if bad is not None:
             raise UsageError(f"{what} {value}: {bad} is a file, not a folder; give a folder "
                              "(it is created if missing)")
 
@@ -1114,15 +1114,22 @@ class Run:
         _check_seq_len(self.a, getattr(self.ctx.model, "config", None))
         return self.ctx
 
+    def base_menus(self) -> dict:
+        """The menus the flags ask for (:func:`voodoo.pipeline.make_menus`), with the
+        checkpoint's own type for weights it ships quantized (:func:`_source_type_menus`)."""
+        from .pipeline import make_menus
+        a = self.a
+        return _source_type_menus(self.ctx, make_menus(
+            self.ctx.specs, a.candidate_types, a.attention_candidates,
+            a.non_attention_candidates))
+
     def menus_and_budget(self):
         """Menus, size table and budget; the budget is checked against the menus' reachable
         range here, before the data, imatrix and candidate stages."""
         from .budget import check_reachable
-        from .pipeline import bytes_table, make_menus, selectable_budget
+        from .pipeline import bytes_table, selectable_budget
         a = self.a
-        self.menus = make_menus(self.ctx.specs, a.candidate_types, a.attention_candidates,
-                                a.non_attention_candidates)
-        self.menus = _source_type_menus(self.ctx, self.menus)
+        self.menus = self.base_menus()
         self.menus = _range_safe_menus(self.ctx, self.menus)
         self.menus = self.imatrix_safe(self.menus)
         self.table = bytes_table(self.ctx.specs, self.menus)
@@ -1342,12 +1349,10 @@ class Run:
             return ensure_hessians(self.ctx, self.out / "hessians.npz", calib, inputs)
 
     def candidates(self):
-        from .pipeline import ensure_candidates, make_menus
+        from .pipeline import ensure_candidates
         a = self.a
         if getattr(self, "menus", None) is None:
-            self.menus = make_menus(self.ctx.specs, a.candidate_types, a.attention_candidates,
-                                    a.non_attention_candidates)
-            self.menus = _source_type_menus(self.ctx, self.menus)
+            self.menus = self.base_menus()
         self.menus = _range_safe_menus(self.ctx, self.menus)
         n_before = sum(len(m) for m in self.menus.values())
         self.menus = self.imatrix_safe(self.menus, say=True)

@@ -87,9 +87,9 @@ def run(out=sys.stdout, model: str | None = None) -> int:
     """Prints the report (to ``out``); ``model``: also :func:`model_paths`. Returns the exit
     status (0: all good, 1: problems listed)."""
     problems: list[str] = []
+    from .fsutil import file_in_the_way
     vc = os.environ.get("VOODOO_CACHE")
-    if vc and any(q.exists() and not q.is_dir()
-                  for q in (Path(vc).expanduser(), *Path(vc).expanduser().parents)):
+    if vc and file_in_the_way(vc) is not None:
         problems.append(f"VOODOO_CACHE={vc} is (under) a file, not a folder: point it at a "
                         "folder (created if missing), or unset it for ~/.cache/voodoo")
 

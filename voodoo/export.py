@@ -454,15 +454,20 @@ def output_name(model_name: str, ratio_percent: float, bpw: float) -> str:
     return f"{model_name}.Voodoo{int(round(ratio_percent))}_{nearest_ftype(bpw)}.gguf"
 
 
+def _weight_types(base_gguf: str | os.PathLike) -> dict[str, GGMLQuantizationType]:
+    """GGUF name -> type of the base's weights (2+ dims) stored other than as F32."""
+    return {t.name: GGMLQuantizationType(t.tensor_type) for t in read_gguf(base_gguf).tensors
+            if len(t.shape) >= 2 and t.tensor_type != GGMLQuantizationType.F32}
+
+
 def prequantized_tensors(base_gguf: str | os.PathLike) -> dict[str, str]:
     """GGUF name -> ggml type name of the weights (2+ dims) that the base GGUF holds already
     quantized: a checkpoint's own blocks that ``convert_hf_to_gguf.py`` repacks losslessly
     instead of dequantizing (gpt-oss's MXFP4 experts, ``conversion/gpt_oss.py``), or a
     quantized source GGUF. Empty for an all-float base (F32/F16/BF16). Reads the header only."""
     from gguf import GGML_QUANT_SIZES
-    return {t.name: GGMLQuantizationType(t.tensor_type).name
-            for t in read_gguf(base_gguf).tensors
-            if len(t.shape) >= 2 and GGML_QUANT_SIZES[GGMLQuantizationType(t.tensor_type)][0] > 1}
+    return {n: q.name for n, q in _weight_types(base_gguf).items()
+            if GGML_QUANT_SIZES[q][0] > 1}
 
 
 def requantize_args(base_gguf: str | os.PathLike) -> list[str]:
@@ -475,15 +480,16 @@ def requantize_args(base_gguf: str | os.PathLike) -> list[str]:
 
 
 def dequantized_copy(base_gguf: str | os.PathLike) -> Path:
-    """The base GGUF with its quantized weights (:func:`prequantized_tensors`) dequantized to
-    F32 by libggml's ``to_float``, every other tensor and KV copied: the same model computed
-    without llama.cpp's activation rounding for those tensors (the pre-flight comparison with
-    transformers' float forward). Written once next to the base as
+    """The base GGUF with every weight stored other than as F32 (quantized:
+    :func:`prequantized_tensors`; or F16/BF16) converted to F32 by libggml's ``to_float``,
+    every other tensor and KV copied: the same model computed without llama.cpp's activation
+    rounding for those tensors (the pre-flight comparison with transformers' float forward),
+    and the weights :func:`voodoo.pipeline.base_weights` maps. Written once next to the base as
     ``<stem>.dequantized.gguf`` (atomically; rewritten when the base is newer); returns its
-    path, or the base itself when nothing in it is quantized."""
+    path, or the base itself when all its weights are F32."""
     base_gguf = Path(base_gguf)
-    pre = prequantized_tensors(base_gguf)
-    if not pre:
+    other = _weight_types(base_gguf)
+    if not other:
         return base_gguf
     out = base_gguf.with_name(base_gguf.stem + ".dequantized.gguf")
     if out.is_file() and out.stat().st_mtime_ns >= base_gguf.stat().st_mtime_ns:
@@ -493,11 +499,10 @@ def dequantized_copy(base_gguf: str | os.PathLike) -> Path:
 
     def lookup(name: str, type_name: str) -> np.ndarray:
         t = by_name[name]
-        n_per_row = int(t.shape[0])
         raw = np.ascontiguousarray(np.asarray(t.data)).view(np.uint8).reshape(-1)
-        return cg.dequantize(raw, pre[name], n_per_row).view(np.uint8).reshape(-1)
+        return cg.dequantize(raw, other[name].name, int(t.shape[0])).view(np.uint8).reshape(-1)
 
-    return export_gguf(base_gguf, {n: "F32" for n in pre}, lookup, out,
+    return export_gguf(base_gguf, {n: "F32" for n in other}, lookup, out,
                        file_type=int(LlamaFileType.ALL_F32))
 
 

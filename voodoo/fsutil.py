@@ -9,7 +9,8 @@ import os
 import tempfile
 from pathlib import Path
 
-__all__ = ["sha256_file", "atomic_write_bytes", "atomic_write_text", "file_mode"]
+__all__ = ["sha256_file", "atomic_write_bytes", "atomic_write_text", "file_mode",
+           "file_in_the_way"]
 
 
 def _umask_mode() -> int:
@@ -57,3 +58,11 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
 def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
     """:func:`atomic_write_bytes` of UTF-8 text."""
     return atomic_write_bytes(path, text.encode())
+
+
+def file_in_the_way(folder: str | os.PathLike) -> Path | None:
+    """The existing file (not folder) at ``folder`` or at one of its parents, which would make
+    creating ``folder`` fail with "Not a directory"; None when the path can be a folder."""
+    p = Path(folder).expanduser()
+    q = next((q for q in (p, *p.parents) if q.exists()), None)
+    return q if q is not None and not q.is_dir() else None

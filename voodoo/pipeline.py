@@ -194,59 +194,25 @@ def load_base_checkpoint(ctx: Context, path) -> None:
     ctx.model.load_state_dict({k: other[k] for k in mine})
 
 
-def base_weights(base_gguf, names=None) -> Mapping[str, np.ndarray]:
-    """GGUF name -> float32 ``(n_rows, n_per_row)`` array of every tensor of at least 2 dims of
-    the base GGUF, in GGUF layout; a 3-D tensor (stacked experts) has its experts' rows
-    stacked. ``names``: only these.
+def base_weights(base_gguf, names=None) -> dict[str, np.ndarray]:
+    """GGUF name -> float32 ``(n_rows, n_per_row)`` view (memory-mapped) of every tensor of at
+    least 2 dims of the base GGUF, in GGUF layout; a 3-D tensor (stacked experts) has its
+    experts' rows stacked. ``names``: only these.
 
-    F32 tensors are memory-mapped views. Weights the converter kept quantized -- a
-    checkpoint's own blocks that ``convert_hf_to_gguf.py`` repacks losslessly instead of
-    dequantizing (gpt-oss's MXFP4 experts: ``repack_mxfp4`` in the pinned
-    ``conversion/gpt_oss.py``) -- are read from the base's dequantized copy
-    (:func:`voodoo.export.dequantized_copy`, libggml's ``to_float``; written once, so they are
-    memory-mapped too): the values ``llama-quantize --allow-requantize`` quantizes from. Any
-    other non-F32 tensor (F16/BF16) is converted when read."""
+    Weights the base holds in another type than F32 -- a checkpoint's own blocks that
+    ``convert_hf_to_gguf.py`` repacks losslessly instead of dequantizing (gpt-oss's MXFP4
+    experts: ``repack_mxfp4`` in the pinned ``conversion/gpt_oss.py``) -- are read from the
+    base's dequantized copy (:func:`voodoo.export.dequantized_copy`, libggml's ``to_float``,
+    written once): the values ``llama-quantize --allow-requantize`` quantizes from."""
     from gguf import GGMLQuantizationType
 
-    from .export import dequantized_copy, prequantized_tensors
+    from .export import dequantized_copy
     from .ggufio import read_gguf
     want = set(names) if names is not None else None
-
-    def pick(path):
-        return {t.name: t for t in read_gguf(path).tensors
-                if (want is None or t.name in want) and len(t.shape) >= 2}
-    tensors = pick(base_gguf)
-    if any(n in tensors for n in prequantized_tensors(base_gguf)):
-        tensors.update({n: t for n, t in pick(dequantized_copy(base_gguf)).items()
-                        if n in tensors})
-    return _BaseWeights(tensors, GGMLQuantizationType.F32)
-
-
-class _BaseWeights(Mapping):
-    """The read-only mapping :func:`base_weights` returns (F32 views; another type converted
-    on access, the last one kept)."""
-
-    def __init__(self, tensors: dict, f32):
-        self._t, self._f32, self._last = tensors, f32, (None, None)
-
-    def __getitem__(self, name: str) -> np.ndarray:
-        t = self._t[name]
-        n_per_row = int(t.shape[0])
-        if t.tensor_type == self._f32:
-            return np.asarray(t.data).reshape(-1, n_per_row)
-        if self._last[0] == name:
-            return self._last[1]
-        import cython_ggml as cg
-        raw = np.ascontiguousarray(np.asarray(t.data)).view(np.uint8)
-        out = cg.dequantize(raw.reshape(-1), t.tensor_type.name, n_per_row)
-        self._last = (name, out)
-        return out
-
-    def __iter__(self):
-        return iter(self._t)
-
-    def __len__(self) -> int:
-        return len(self._t)
+    return {t.name: np.asarray(t.data).reshape(-1, int(t.shape[0]))
+            for t in read_gguf(dequantized_copy(base_gguf)).tensors
+            if (want is None or t.name in want) and len(t.shape) >= 2
+            and t.tensor_type == GGMLQuantizationType.F32}
 
 
 def parse_types(text: str | Sequence[str] | None) -> list[str] | None:
