@@ -558,6 +558,21 @@ def test_a_file_where_a_cache_folder_goes_is_refused_first(tiny_fixed, tmp_path,
     nothing_written(out)
 
 
+def test_a_file_where_a_run_subfolder_goes_is_refused_first(tiny_fixed, tmp_path):  # noqa: F811
+    """A file named `train` (or `eval`, `data`, ...) in the run folder failed only when the
+    stage that writes there came, after the stages before it; now one line before any stage."""
+    out = tmp_path / "run"
+    out.mkdir()
+    for sub in ("train", "eval"):
+        (out / sub).write_text("x")
+        rc, _, err = run_cli(["train", "--model", str(tiny_fixed), "--output_dir", str(out),
+                              *SMALL])
+        line = error_line(rc, err, "train")
+        assert f"{out / sub} is a file" in line and "--output_dir" in line
+        assert sorted(p.name for p in out.iterdir()) == [sub]   # no stage ran
+        (out / sub).unlink()
+
+
 def test_ray_student_factory_paths_are_absolute(tmp_path, monkeypatch):
     """`train --ray --output_dir runs/x` (relative) failed after every expensive stage: the
     Ray Train worker, in its own working directory, could not find runs/x/imatrix.gguf. The

@@ -534,7 +534,7 @@ class CandidateCache:
 
         A file that cannot be parsed, whose metadata disagrees with ``key``, or whose bytes do
         not match the recorded sha256 is deleted and reported (``CorruptCandidateWarning`` and
-        a log warning); None is returned so the caller rebuilds it.
+        a ``[voodoo] warning`` line under the CLI); None is returned so the caller rebuilds it.
         """
         p = self.path(key)
         try:
@@ -569,7 +569,8 @@ class CandidateCache:
                 os.unlink(p)
         except FileNotFoundError:
             pass
-        log.warning(msg)
+        # one report: the CLI prints warnings as a "[voodoo] warning:" line (a log line as
+        # well printed every file twice)
         warnings.warn(msg, CorruptCandidateWarning, stacklevel=3)
 
     def put(self, key: CandidateKey, data: np.ndarray, gguf_name: str = "",

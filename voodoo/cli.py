@@ -151,18 +151,32 @@ def _data_flags(ap):
 
 
 def _check_cache_paths(a) -> None:
-    """``--cache_dir`` or ``$VOODOO_CACHE`` naming something that is not a folder fails here,
-    naming the flag (it failed after the imatrix and Hessians with "Not a directory", or, for
-    ``VOODOO_CACHE``, as a llama.cpp that is not built)."""
+    """A folder Voodoo will create that is a file fails here, naming it: ``--cache_dir`` or
+    ``$VOODOO_CACHE`` (it failed after the imatrix and Hessians with "Not a directory", or, for
+    ``VOODOO_CACHE``, as a llama.cpp that is not built), ``--output_dir``, ``--data_dir`` and
+    the run folder's ``data``, ``train``, ``eval``, ``stock`` (a file there failed after
+    the stages before it)."""
+    from .fsutil import file_in_the_way
     for what, value in (("--cache_dir", getattr(a, "cache_dir", None)),
                         ("VOODOO_CACHE", os.environ.get("VOODOO_CACHE"))):
         if not value:
             continue
-        from .fsutil import file_in_the_way
         bad = file_in_the_way(value)
         if bad is not None:
             raise UsageError(f"{what} {value}: {bad} is a file, not a folder; give a folder "
                              "(it is created if missing)")
+    out = getattr(a, "output_dir", None)
+    folders = [("--output_dir", out)] if out else []
+    if out:
+        folders += [(f"--output_dir {out}", Path(out) / sub)
+                    for sub in ("data", "train", "eval", "stock")]
+    if getattr(a, "data_dir", None):
+        folders.append(("--data_dir", a.data_dir))
+    for what, value in folders:
+        bad = file_in_the_way(value)
+        if bad is not None:
+            raise UsageError(f"{what}: {bad} is a file, but Voodoo writes a folder there; "
+                             "move the file away or choose another --output_dir")
 
 
 def _parse_keeping_run_data(ap, argv, adopt=lambda a: True):
