@@ -1801,7 +1801,31 @@ def _doctor(argv):
                     help="also print where this model's files are: its HF folder, the base "
                          "F32 GGUF (for the llama-quantize --tensor-type-file recipe), the "
                          "reference GGUF (for KLD) and its voodoo.model id")
+    ap.add_argument("--prune_cache", type=float, default=None, metavar="DAYS",
+                    help="instead of the report: delete what Voodoo's cache holds (converted "
+                         "models, candidates, Fisher diagonals, reference logits, cleaned "
+                         "texts, other llama.cpp builds) that was not used for DAYS days; all "
+                         "of it is remade when needed")
+    ap.add_argument("--dry_run", action="store_true",
+                    help="with --prune_cache: list what would be deleted, delete nothing")
     a = ap.parse_args(argv)
+    if a.dry_run and a.prune_cache is None:
+        raise UsageError("--dry_run goes with --prune_cache DAYS")
+    if a.prune_cache is not None:
+        if not a.prune_cache >= 0:
+            raise UsageError(f"--prune_cache {a.prune_cache}: give the days as a number >= 0 "
+                             "(0 deletes every entry: not while a run is going)")
+        import time
+
+        from .cacheprune import prune_cache
+        from .llamacpp import cache_root
+        res = prune_cache(cache_root(), a.prune_cache, dry_run=a.dry_run)
+        for e in res.removed if a.dry_run else ():
+            print(f"  {e.kind:<11} {e.nbytes / 2**20:10.1f} MiB  unused for "
+                  f"{(time.time() - e.last_use) / 86400:5.1f} days  {e.paths[0]}")
+        print(f"voodoo doctor: {'would delete' if a.dry_run else 'deleted'} from "
+              f"{cache_root()} (unused for {a.prune_cache:g} days): {res.summary()}")
+        return 0
     return doctor.run(model=a.model)
 
 
@@ -2581,6 +2605,11 @@ def _reference_of(a) -> Path:
                          "Voodoo?); pass --model with the model it was made from")
     ref = find_reference(recorded)
     if ref is None:
+        from .export import find_model
+        found = find_model(recorded)   # the reference was pruned from the cache: remade
+        if found:
+            from .models import prepare_model
+            return Path(prepare_model(found).reference_gguf)
         name, sha = parse_model_id(recorded)
         raise UsageError(f"{Path(a.gguf).name} was made from {name}"
                          + (f" (reference GGUF sha256 {sha[:16]}…)" if sha else "")

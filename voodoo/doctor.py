@@ -7,7 +7,8 @@ every type, comparing the dequantized values with ``gguf.quants.dequantize`` bit
 With ``--model M``, also where that model's files are: the HF folder, the base F32 GGUF (what
 candidates are quantized from, and what the ``--tensor-type-file`` recipe feeds
 ``llama-quantize``), the reference GGUF (what KLD is measured against) and the
-``voodoo.model`` value its GGUFs record.
+``voodoo.model`` value its GGUFs record. ``--prune_cache DAYS`` deletes cache entries unused
+for that long instead (:mod:`voodoo.cacheprune`).
 Exit status 0 when everything needed is there, 1 otherwise (each problem says what to do).
 """
 

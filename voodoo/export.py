@@ -416,9 +416,9 @@ def find_model(value: str) -> str | None:
         rec = json.loads(f.read_text())
     except (OSError, ValueError):
         return None
-    if Path(rec.get("reference_gguf", "")).is_file() and Path(rec.get("model", "")).exists():
-        return rec["model"]
-    return None
+    # the reference may have been pruned from the cache (``voodoo doctor --prune_cache``):
+    # preparing the model converts it again
+    return rec["model"] if Path(rec.get("model", "")).exists() else None
 
 
 def find_reference(value: str) -> Path | None:

@@ -1,0 +1,119 @@
+"""``voodoo doctor --prune_cache DAYS``: what goes and what stays (voodoo/cacheprune.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from voodoo.cacheprune import cache_entries, prune_cache
+
+DAY = 86400.0
+
+
+def _file(p: Path, nbytes: int, age_days: float, now: float) -> Path:
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_bytes(b"x" * nbytes)
+    t = now - age_days * DAY
+    os.utime(p, (t, t))
+    return p
+
+
+def _tree(root: Path, now: float) -> dict[str, Path]:
+    """A cache with old and recent entries of every prunable kind."""
+    f = {}
+    f["cand_old"] = _file(root / "candidates" / "Q4_K" / "a.arrow", 100, 40, now)
+    f["cand_new"] = _file(root / "candidates" / "Q4_K" / "b.arrow", 200, 1, now)
+    f["cand_old2"] = _file(root / "candidates" / "IQ4_NL" / "c.arrow", 300, 10, now)
+    # a model folder: its newest file decides (the base converted long ago, read yesterday)
+    f["model_used"] = _file(root / "models" / "k1" / "base-f32.gguf", 1000, 60, now)
+    _file(root / "models" / "k1" / "source.json", 10, 1, now)
+    f["model_old"] = _file(root / "models" / "k2" / "base-f32.gguf", 2000, 30, now)
+    f["index"] = _file(root / "models" / "by-sha256" / "ab.json", 10, 99, now)
+    # kld: a .kld and its .json go together; the .json was read recently
+    f["kld"] = _file(root / "kld" / "k.kld", 500, 20, now)
+    f["kld_json"] = _file(root / "kld" / "k.json", 5, 2, now)
+    f["fisher"] = _file(root / "fisher" / "fisher-1.pt", 700, 8, now)
+    f["text"] = _file(root / "texts" / "t.123.txt", 50, 9, now)
+    f["build_pin"] = _file(root / "llama.cpp" / "PIN" / "bin" / "llama-quantize", 90, 400, now)
+    f["build_old"] = _file(root / "llama.cpp" / "OLD" / "bin" / "llama-quantize", 80, 40, now)
+    f["download"] = _file(root / "downloads" / "wheel.whl", 60, 400, now)
+    return f
+
+
+def test_prune_removes_what_was_not_used_and_keeps_the_rest(tmp_path, monkeypatch):
+    monkeypatch.setenv("VOODOO_LLAMA_CPP_COMMIT", "PIN")
+    now = time.time()
+    root = tmp_path / "cache"
+    f = _tree(root, now)
+    kinds = sorted({e.kind for e in cache_entries(root)})
+    assert kinds == ["candidates", "fisher", "kld", "llama.cpp", "models", "texts"]
+
+    dry = prune_cache(root, 7, dry_run=True, now=now)
+    gone = {p for e in dry.removed for p in e.paths}
+    assert gone == {f["cand_old"], f["cand_old2"], root / "models" / "k2", f["fisher"],
+                    f["text"], root / "llama.cpp" / "OLD"}
+    assert dry.nbytes == 100 + 300 + 2000 + 700 + 50 + 80
+    assert all(p.exists() for p in f.values())          # a dry run deletes nothing
+
+    res = prune_cache(root, 7, now=now)
+    assert {p for e in res.removed for p in e.paths} == gone
+    assert not any(p.exists() for p in gone)
+    for k in ("cand_new", "model_used", "index", "kld", "kld_json", "build_pin", "download"):
+        assert f[k].exists(), k
+    assert res.kept == 3 and res.kept_bytes == 200 + 1010 + 505   # the build in use: no entry
+    assert not list(root.rglob(".*pruning*"))            # no renamed leftovers
+    assert "6 entries" in res.summary() and "candidates 2" in res.summary()
+
+    # everything prunable goes at 0 days, except the build in use and the index
+    prune_cache(root, 0, now=now + 1)
+    left = sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
+    assert left == ["downloads/wheel.whl", "llama.cpp/PIN/bin/llama-quantize",
+                    "models/by-sha256/ab.json"]
+    with pytest.raises(ValueError, match=">= 0"):
+        prune_cache(root, -1)
+
+
+def test_doctor_prune_cache_cli_and_a_pruned_reference_is_made_again(tiny_prepared, tmp_path,
+                                                                     monkeypatch):
+    """Through the CLI; then an index entry whose reference GGUF was pruned still finds the
+    model, and preparing it converts the reference again (same bytes)."""
+    from test_pipeline import run_cli
+
+    from voodoo.export import find_model, record_model
+    from voodoo.fsutil import sha256_file
+    from voodoo.llamacpp import build_root, llama_cpp_commit
+    from voodoo.models import prepare_model
+    cache = tmp_path / "cache"
+    (cache / "llama.cpp").mkdir(parents=True)
+    # the build in use (its converter prepares the model below) is never pruned
+    (cache / "llama.cpp" / llama_cpp_commit()).symlink_to(build_root())
+    monkeypatch.setenv("VOODOO_CACHE", str(cache))
+    now = time.time()
+    _file(cache / "candidates" / "Q8_0" / "old.arrow", 10, 30, now)
+    rc, out, err = run_cli(["doctor", "--prune_cache", "14", "--dry_run"])
+    assert rc == 0, err
+    assert "would delete" in out and "old.arrow" in out and "1 entries" in out
+    assert (cache / "candidates" / "Q8_0" / "old.arrow").exists()
+    rc, out, err = run_cli(["doctor", "--prune_cache", "14"])
+    assert rc == 0 and "deleted" in out, err
+    assert not (cache / "candidates" / "Q8_0" / "old.arrow").exists()
+    rc, _, err = run_cli(["doctor", "--dry_run"])
+    assert rc == 2 and "--dry_run goes with --prune_cache" in err
+
+    prepared = prepare_model(str(tiny_prepared.hf_dir))   # converted into this cache
+    ref = Path(prepared.reference_gguf)
+    assert cache in ref.parents
+    sha = sha256_file(ref)
+    value = record_model(prepared, sha)
+    rc, out, err = run_cli(["doctor", "--prune_cache", "0"])
+    assert rc == 0, err
+    assert not ref.exists()
+    assert json.loads((cache / "models" / "by-sha256" / f"{sha}.json").read_text())
+    found = find_model(value)
+    assert found == str(Path(tiny_prepared.hf_dir).resolve())
+    again = Path(prepare_model(found).reference_gguf)
+    assert sha256_file(again) == sha
