@@ -142,3 +142,40 @@ def test_config_size_reads_per_layer_lists():
     assert config_size(c, "vocab_size", 7) == 7
     assert config_size(c, "missing", 3) == 3
     assert config_size(c, "flag", 5) == 5
+
+
+def test_cpu_training_plans_with_the_hosts_memory(tiny_fixed, tmp_path, monkeypatch):  # noqa: F811
+    """In-process training on the CPU compares the prediction with the host's memory
+    (``host_memory_capacity``): nothing fits -> refused before the teacher is built, naming the
+    need and what is free; only lazy candidates fit -> ``--lazy`` with one line, and the run
+    finishes. (On the CPU nothing was decided: a model whose eager candidates outgrow the
+    machine was killed by the kernel in gate training.)"""
+    import voodoo.lazy as L
+    from test_pipeline import run_cli
+    seen = []
+    real_predict = L.predict_memory
+
+    def predict(*a, **k):
+        p = real_predict(*a, **k)
+        seen.append((k["lazy"], k["checkpointing"], k["teacher_quant"], p["total"]))
+        return p
+    monkeypatch.setattr(L, "predict_memory", predict)
+    argv = ["train", "--model", str(tiny_fixed), "--seq_len", "64", "--n_train_blocks", "8",
+            "--n_eval_blocks", "2", "--imatrix_blocks", "4", "--no_ray", "--max_steps", "1",
+            "--fisher_blocks", "2", "--rounding", "ggml"]
+    monkeypatch.setattr(L, "host_memory_capacity", lambda: 1000)
+    rc, so, se = run_cli([*argv, "--output_dir", str(tmp_path / "a")])
+    assert rc != 0
+    line = [ln for ln in se.splitlines() if ln.startswith("voodoo train: error: ")]
+    assert line and "predicted to need" in line[0] and "this machine (host memory)" in line[0] \
+        and "--lazy --gradient_checkpointing" in line[0], se[-2000:]
+    assert "Traceback" not in se
+    assert not (tmp_path / "a" / "train" / "partial.pt").exists()
+    eager = next(t for lz, ck, tq, t in seen if not lz and not ck)
+    lazy = next(t for lz, ck, tq, t in seen if lz and not ck and tq != "Q8_0")
+    assert lazy < eager
+    monkeypatch.setattr(L, "host_memory_capacity", lambda: (lazy + eager) // 2)
+    rc, so, se = run_cli([*argv, "--output_dir", str(tmp_path / "b")])
+    assert rc == 0, se[-3000:]
+    assert "using --lazy" in so
+    assert list((tmp_path / "b").glob("*.assignment.json"))

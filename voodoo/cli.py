@@ -1558,14 +1558,15 @@ class Run:
 
     def memory_plan(self, cfg, decide: bool = True):
         """Predicts the device memory of the training run from the config, the tensor map's
-        shapes and the menus (nothing is loaded on the device) and prints it; on a CUDA device
-        (``decide``) compares it with the device's free memory: switches to ``--lazy`` when
+        shapes and the menus (nothing is loaded on the device) and prints it; on a CUDA device,
+        or on the CPU for in-process training (``decide``), compares it with the free memory
+        (the host's: :func:`voodoo.lazy.host_memory_capacity`): switches to ``--lazy`` when
         only the lazy candidates fit (one line says so), and fails before loading anything,
         naming the flags that would fit, when the run does not fit
         (:func:`voodoo.lazy.plan_memory`)."""
         import torch
 
-        from .lazy import format_memory, plan_memory, predict_memory
+        from .lazy import format_memory, host_memory_capacity, plan_memory, predict_memory
         from .train import torch_dtype
         a = self.a
         c = self.ctx.model.config
@@ -1587,13 +1588,23 @@ class Run:
 
         q8 = a.teacher_quant.upper() == "Q8_0" and not a.teacher_checkpoint
         dev = str(a.device)
+        free, where, split = None, dev, None
         if decide and dev.startswith("cuda") and torch.cuda.is_available():
             free = torch.cuda.mem_get_info(torch.device(dev))[0]
+        elif decide and dev == "cpu" and not getattr(a, "ray", False):
+            # in-process training on this machine (a Ray worker may be elsewhere): the eager
+            # candidates (K float32 copies of every weight) of a 1B model with the full menus
+            # need about 60 GiB: --lazy, or a stop before training, rather than a kill by the
+            # kernel mid-run
+            free, where = host_memory_capacity(), "this machine (host memory)"
+            split = ("or use a machine with more memory, or GPUs (--device cuda; --device_map "
+                     "or `voodoo tp` split the model over several)")
+        if free is not None:
             lazy, pred, note = plan_memory(predict, free, lazy=bool(a.lazy),
                                            checkpointing=bool(a.gradient_checkpointing),
-                                           q8_teacher=q8, where=dev)
+                                           q8_teacher=q8, where=where, split=split)
             if note:
-                print(note)
+                print(f"[voodoo] {note}", flush=True)
                 a.lazy = True
         else:
             pred = predict(bool(a.lazy), bool(a.gradient_checkpointing), q8)

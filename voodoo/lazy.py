@@ -35,7 +35,7 @@ from .dequant import compile_recompile_limit, dequantize, exact_compile_options,
 from .quants import qtype
 
 __all__ = ["QuantizedCandidates", "LazyMix", "lazy_mix", "QuantizedParams", "predict_memory",
-           "format_memory", "plan_memory", "MemoryPlanError", "DEFAULT_TILE_ELEMENTS",
+           "format_memory", "plan_memory", "host_memory_capacity", "MemoryPlanError", "DEFAULT_TILE_ELEMENTS",
            "DEFAULT_COMPILED_TILE_ELEMENTS", "lazy_kernel_choice", "LAZY_KERNEL_ENV"]
 
 #: Weights per tile (rows x n_per_row, rounded to whole rows) on the eager path: ~4 Mi weights
@@ -534,9 +534,9 @@ def predict_memory(shapes, menus, *, n_params: int, n_layers: int, hidden: int,
         ``activations`` (estimate), ``logits`` (estimate: 28 bytes a logit for the student's
         and teacher's logits and the distillation loss's float32 temporaries), ``total``.
 
-    The activation estimate is ``tokens x 2 bytes x (8 hidden + 5 intermediate)`` a layer kept
+    The activation estimate is ``tokens x itemsize x (8 hidden + 5 intermediate)`` a layer kept
     for the backward (a Llama-style layer under SDPA attention), or with checkpointing
-    ``tokens x hidden x 2`` a layer plus one layer in full. Calibrated on an H200
+    ``tokens x hidden x itemsize`` a layer plus one layer in full. Calibrated on an H200
     (``benchmarks/results/lazy_student/``, K = 6, 8192 tokens, bf16), whole steps with the
     chunked distillation loss and a lazy student mixing per module: 3.2B shape predicted
     82.8 GiB eager / 59.1 lazy, measured 82.1 / 58.6; 14B shape checkpointed, lazy, Q8_0
@@ -553,16 +553,17 @@ def predict_memory(shapes, menus, *, n_params: int, n_layers: int, hidden: int,
     student = n_params * isz
     teacher = {"BF16": 2 * n_params, "F32": 4 * n_params,
                "Q8_0": n_params * 34 // 32}[teacher_quant.upper()]
-    layer_full = tokens * 2 * (8 * hidden + 5 * intermediate)
-    act = (n_layers * tokens * hidden * 2 + layer_full) if checkpointing else n_layers * layer_full
-    # bf16 student and teacher logits; float32 log-softmaxes of both, the teacher's
-    # probabilities, the KL/CE terms and the gradient back to the logits
-    logits = tokens * vocab * (2 + 2 + 6 * 4)
+    layer_full = tokens * isz * (8 * hidden + 5 * intermediate)
+    act = (n_layers * tokens * hidden * isz + layer_full) if checkpointing \
+        else n_layers * layer_full
+    # bf16 (float32 on CPUs) student and teacher logits; float32 log-softmaxes of both, the
+    # teacher's probabilities, the KL/CE terms and the gradient back to the logits
+    logits = tokens * vocab * (isz + isz + 6 * 4)
     from .train import DISTILL_CHUNK_ELEMENTS
     if chunked_loss and tokens * vocab > DISTILL_CHUNK_ELEMENTS:
         # bf16 student and teacher logits and the logits' gradient, and about two float32
         # copies of one chunk (H200: 6.2 GiB at 8192 x 128256 measured, 6.9 predicted)
-        logits = tokens * vocab * (2 + 2 + 2) + 2 * 4 * DISTILL_CHUNK_ELEMENTS
+        logits = tokens * vocab * (isz + isz + 2) + 2 * 4 * DISTILL_CHUNK_ELEMENTS
     out = {"candidates": int(cand), "student": int(student), "teacher": int(teacher),
            "activations": int(act), "logits": int(logits)}
     out["total"] = sum(out.values())
@@ -577,6 +578,21 @@ def format_memory(pred: dict[str, int], measured_peak: int | None = None) -> str
     if measured_peak is not None:
         line += f"; measured peak {measured_peak / gib:.1f} GiB"
     return line
+
+
+def host_memory_capacity() -> int | None:
+    """Bytes a CPU run may use: the kernel's ``MemAvailable`` (``/proc/meminfo``) plus what
+    this process holds already (its resident set: the loaded model the student is built
+    from). None where that cannot be read (not Linux)."""
+    try:
+        with open("/proc/meminfo") as f:
+            avail = next(int(line.split()[1]) * 1024 for line in f
+                         if line.startswith("MemAvailable:"))
+        with open("/proc/self/statm") as f:
+            rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, StopIteration, ValueError, IndexError):
+        return None
+    return avail + rss
 
 
 class MemoryPlanError(ValueError):
@@ -595,8 +611,8 @@ _FIXES = (
 
 
 def plan_memory(predict, capacity: int, *, lazy: bool, checkpointing: bool,
-                q8_teacher: bool, auto_lazy: bool = True, where: str = "the device"
-                ) -> tuple[bool, dict[str, int], str | None]:
+                q8_teacher: bool, auto_lazy: bool = True, where: str = "the device",
+                split: str | None = None) -> tuple[bool, dict[str, int], str | None]:
     """Decides, before anything is loaded, whether a gate-training run fits ``capacity`` bytes.
 
     Args:
@@ -608,6 +624,7 @@ def plan_memory(predict, capacity: int, *, lazy: bool, checkpointing: bool,
         lazy, checkpointing, q8_teacher: the run as asked.
         auto_lazy: switch to ``--lazy`` when the eager candidates do not fit and lazy ones do.
         where: the device, for the messages.
+        split: what else to do when nothing fits (default: split the model over GPUs).
 
     Returns:
         ``(lazy, prediction, note)``: the ``lazy`` to use, its prediction, and a one-line note
@@ -640,8 +657,8 @@ def plan_memory(predict, capacity: int, *, lazy: bool, checkpointing: bool,
                                              or (f.startswith("--teacher") and q8_teacher))]
             fits.append(f"{' '.join(need)} ({p['total'] / gib:.1f} GiB)")
             break
-    split = ("or split the model over several GPUs: --device_map cuda:0,cuda:1 (layer-wise, "
-             "--ray) or `voodoo tp` (tensor parallel)")
+    split = split or ("or split the model over several GPUs: --device_map cuda:0,cuda:1 "
+                      "(layer-wise, --ray) or `voodoo tp` (tensor parallel)")
     msg = (f"this run is predicted to need {pred['total'] / gib:.1f} GiB on {where} "
            f"({', '.join(f'{k} {v / gib:.1f}' for k, v in pred.items() if k != 'total')}) "
            f"but {capacity / gib:.1f} GiB are free; ")
