@@ -1593,8 +1593,8 @@ class Run:
             free = torch.cuda.mem_get_info(torch.device(dev))[0]
         elif decide and dev == "cpu" and not getattr(a, "ray", False):
             # in-process training on this machine (a Ray worker may be elsewhere): the eager
-            # candidates (K float32 copies of every weight) of a 1B model with the full menus
-            # need about 60 GiB: --lazy, or a stop before training, rather than a kill by the
+            # candidates (K float32 copies of every weight) of a 1B model with the default menus
+            # need about 50 GB: --lazy, or a stop before training, rather than a kill by the
             # kernel mid-run
             free, where = host_memory_capacity(), "this machine (host memory)"
             split = ("or use a machine with more memory, or GPUs (--device cuda; --device_map "
