@@ -91,6 +91,23 @@ def test_upgrades_move_and_guard():
     assert all(t["type"] == t["menu"][0] for t in c["tensors"].values())
 
 
+def test_guardrails_hold_under_the_budget_and_give_way_over_it_with_a_warning():
+    """A downgrade rule whose tensor cannot be paid back inside the window stays down (the
+    repair dropped it silently to spend the bytes it saved); an upgrade rule that cannot fit
+    the budget gives way, and a warning names the tensor and the rule."""
+    menus = {"big": ["A", "B"], "small": ["A", "B", "C", "D"]}
+    nbytes = {"big": [1000, 500], "small": [100, 90, 80, 70]}
+    with pytest.warns(UserWarning, match="guardrails of 1 tensor"):
+        a = bake({"big": [0.0, 5.0], "small": [5.0, 0.0, 0.0, 0.0]}, menus, nbytes, 600,
+                 tensor_upgrades='[{"pattern": "small", "levels": -3}]')
+    assert {n: t["type"] for n, t in a["tensors"].items()} == {"big": "B", "small": "D"}
+    with pytest.warns(UserWarning, match=r"could not be kept .* small D \(the rule asks for "
+                                         r"at least A\)"):
+        b = bake({"big": [0.0, 5.0], "small": [0.0, 0.0, 0.0, 5.0]}, menus, nbytes, 570,
+                 tolerance=0.0, tensor_upgrades='[{"pattern": "small", "levels": 3}]')
+    assert b["total_bytes"] == 570
+
+
 @pytest.mark.parametrize("bad, msg", [
     ("[{\"pattern\": \"ffn\", \"levels\": 1}", "not valid JSON"),
     ('{"pattern": "ffn", "levels": 1}', "must be a JSON list"),

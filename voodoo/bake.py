@@ -13,7 +13,9 @@ Three steps, all deterministic:
    the assignment of largest total gate log-probability whose total lies inside that window,
    found exactly by dynamic programming over bytes (a multiple-choice knapsack; sizes in units
    of about budget/200,000 bytes, rounded so the true total stays inside), first within the
-   guardrails, then without them. A greedy repair remains as the fallback for windows too
+   guardrails, then, only when over the budget, without them (a warning names every tensor
+   whose guardrail gave way). Under the budget the guardrails always hold: a total the
+   window cannot reach without breaking one stays under it, with a warning. A greedy repair remains as the fallback for windows too
    narrow for that resolution: while over, the move down with the smallest drop in
    log-probability per byte saved; while under, the move up with the least loss per byte spent
    that stays under the upper end. Log-probabilities are ``log_softmax(logits / temperature)``.
@@ -27,8 +29,9 @@ Three steps, all deterministic:
    0.0351 and from 0.0430 to 0.0419 (``docs/method.md``).
 
 Stated tolerance: the total never exceeds ``budget * (1 + tolerance)`` (default 0.5%), and
-lands at or above ``budget * (1 - tolerance)`` whenever the menus' granularity allows (with
-many tensors it does; a model of a few tiny tensors may end slightly lower). With
+lands at or above ``budget * (1 - tolerance)`` whenever the menus' granularity and the
+guardrails allow (with many tensors it does; a model of a few tiny tensors may end slightly
+lower, with a warning). With
 ``ceiling=True`` (``--match_size``: a file at or under a target) the window is
 ``[budget - tolerance * ceiling_ref, budget]`` instead: never over the budget.
 """
@@ -197,8 +200,9 @@ def bake(gate_logits: Mapping[str, Sequence[float] | torch.Tensor],
                 yield (-(lp[n][j] - lp[n][c]) / spent, n, j, c)
 
     if not lower <= total <= upper:
-        # exact: the assignment of most total log-probability inside [lower, upper]
-        for lo_, hi_ in ((lo, hi), (full_lo, full_hi)):
+        # exact: the assignment of most total log-probability inside [lower, upper]; the
+        # guardrails are dropped only to get under the upper end, never to spend more bytes
+        for lo_, hi_ in ((lo, hi), (full_lo, full_hi)) if total > upper else ((lo, hi),):
             got = min_cost_assignment({n: [-v for v in lp[n]] for n in names}, nb, lower,
                                       upper, {n: (lo_[n], hi_[n]) for n in names})
             if got is not None:
@@ -224,7 +228,7 @@ def bake(gate_logits: Mapping[str, Sequence[float] | torch.Tensor],
         raise ValueError(f"budget {budget} bytes is unreachable: the smallest type of every "
                          f"tensor already totals {lo_b} bytes")
 
-    for lo_ in (lo, full_lo):
+    for lo_ in (lo,):   # under: within the guardrails only (see above)
         if total >= lower:
             break
         heap = [m for n in names for m in moves_up(n, lo_)]
@@ -269,14 +273,27 @@ def bake(gate_logits: Mapping[str, Sequence[float] | torch.Tensor],
                     best = (obj, c2, t2)
         if best is not None:
             cur, total = best[1], best[2]
+    import warnings
+    guarded = [n for n in names if lo[n] > 0 or hi[n] < len(menu[n]) - 1]
     if total < lower:
-        import warnings
         big = max(names, key=lambda n: max(nb[n]))
+        why = (f"steps are coarse; the largest tensor, {big}, moves in steps of up to "
+               f"{max(abs(a - b) for a, b in zip(nb[big], nb[big][1:]))} bytes")
+        if guarded:
+            why += (f"; the --tensor_upgrades guardrails of {len(guarded)} tensor(s) are kept, "
+                    "and may be what holds it under")
         warnings.warn(f"bake: {total} bytes is {100 * (1 - total / budget):.2f}% under the "
                       f"budget of {budget}: no assignment of these menus lands closer without "
-                      f"going over (steps are coarse; the largest tensor, {big}, moves in steps "
-                      f"of up to {max(abs(a - b) for a, b in zip(nb[big], nb[big][1:]))} bytes)",
-                      stacklevel=2)
+                      f"going over ({why})", stacklevel=2)
+    broken = [n for n in names if not lo[n] <= cur[n] <= hi[n]]
+    if broken:
+        warnings.warn(
+            f"bake: --tensor_upgrades could not be kept within the budget of {budget} bytes "
+            f"for {len(broken)} tensor(s): " + ", ".join(
+                f"{n} {menu[n][cur[n]]} (the rule asks for "
+                f"{'at least ' + menu[n][hi[n]] if cur[n] > hi[n] else 'at most ' + menu[n][lo[n]]})"
+                for n in broken[:8]) + (", ..." if len(broken) > 8 else "") +
+            "; raise the budget or ask for fewer levels", stacklevel=2)
 
     # 5. fill: bytes left under the budget are spent where ``fill_costs`` says they lower the
     # predicted cost most (the exact knapsack over the upgrades, each tensor at its own rung
