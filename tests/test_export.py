@@ -3,6 +3,7 @@ tensor-type file and the same imatrix reproduces it byte for byte; llama.cpp loa
 
 from __future__ import annotations
 
+import os
 import subprocess
 
 import numpy as np
@@ -189,6 +190,40 @@ def test_export_failure_leaves_no_file(tiny_prepared, tmp_path):
     with pytest.raises(KeyError, match="blk.9"):
         export_gguf(base, {"blk.9.attn_q.weight": "Q8_0"}, short, out)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_full_disk_is_named_as_such(tiny_prepared, tmp_path, monkeypatch):
+    """A write that runs out of space (ENOSPC, or numpy's short write "N requested and M
+    written", which has no errno and was all the CLI printed) is reported as a full disk,
+    naming the file and what is free; no partial file is left. Really full where a tmpfs can
+    be mounted (root), else the same error raised by the writer."""
+    import errno
+    import shutil
+
+    from voodoo.fsutil import is_disk_full
+    assert is_disk_full(OSError("4325376 requested and 867072 written"))
+    assert is_disk_full(OSError(errno.ENOSPC, "No space left on device"))
+    assert not is_disk_full(OSError(errno.EACCES, "Permission denied"))
+    assert not is_disk_full(ValueError("4 requested and 1 written"))
+    base = tiny_prepared.base_gguf
+    small = tmp_path / "small"
+    small.mkdir()
+    mounted = shutil.which("mount") and os.geteuid() == 0 and subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(small)],
+        capture_output=True).returncode == 0
+    try:
+        if not mounted:
+            def full(self, tensor):
+                raise OSError("4325376 requested and 867072 written")
+            monkeypatch.setattr(GGUFWriter, "write_tensor_data", full)
+        asg = {"token_embd.weight": "Q8_0"}   # the file is MBs: more than the 256 KiB mount
+        with pytest.raises(ExportError, match=r"no space left on the device of .*small while "
+                                              r"writing out.gguf \(\d+ MiB free, about \d+ MiB"):
+            export_gguf(base, asg, _lookup_from(base, {}), small / "out.gguf")
+        assert list(small.iterdir()) == []
+    finally:
+        if mounted:
+            subprocess.run(["umount", str(small)], check=True)
 
 
 # ------------------------------------------------------------ against llama.cpp's tools

@@ -2751,6 +2751,10 @@ def main(argv: list[str] | None = None) -> int:
         # bad input: one clear line, no traceback (VOODOO_DEBUG=1 shows it)
         if os.environ.get("VOODOO_DEBUG"):
             raise
+        from .fsutil import is_disk_full, no_space_message
+        if is_disk_full(e):   # any stage's write (Hessians, candidates, journal...)
+            where = Path(e.filename).parent if getattr(e, "filename", None) else Path.cwd()
+            e = no_space_message(where, str(e.filename or "a file"))
         print(f"voodoo {argv[0]}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

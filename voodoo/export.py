@@ -273,12 +273,19 @@ def export_gguf(base_gguf: str | os.PathLike, assignment,
         from .fsutil import file_mode
         os.chmod(tmp, file_mode())
         os.replace(tmp, out_path)
-    except BaseException:
-        writer.close()
+    except BaseException as e:
+        try:
+            writer.close()
+        except OSError:
+            pass   # the disk is full: closing flushes nothing more
         try:
             os.unlink(tmp)
         except FileNotFoundError:
             pass
+        from .fsutil import is_disk_full, no_space_message
+        if is_disk_full(e):
+            total = sum(p[4] for p in plan)
+            raise ExportError(no_space_message(out_path.parent, out_path.name, total)) from e
         raise
     return out_path
 
@@ -549,6 +556,12 @@ def quantize_with_llama(base_gguf: str | os.PathLike, out: str | os.PathLike,
         raise
     if r.returncode:
         tmp.unlink(missing_ok=True)
+        from .fsutil import free_mib, no_space_message
+        free = free_mib(out.parent)
+        # a full disk reads as "basic_ios::clear: iostream error" in llama-quantize's log
+        if free is not None and free * 2**20 < Path(base_gguf).stat().st_size and (
+                "iostream error" in r.stdout or "No space left" in r.stdout):
+            raise ExportError(no_space_message(out.parent, f"{out.name} (llama-quantize)"))
         raise ExportError(f"llama-quantize failed (exit {r.returncode}): {' '.join(cmd)}\n"
                           + "\n".join(r.stdout.splitlines()[-25:]))
     os.replace(tmp, out)

@@ -10,7 +10,7 @@ import tempfile
 from pathlib import Path
 
 __all__ = ["sha256_file", "atomic_write_bytes", "atomic_write_text", "file_mode",
-           "file_in_the_way"]
+           "file_in_the_way", "is_disk_full", "no_space_message"]
 
 
 def _umask_mode() -> int:
@@ -66,3 +66,39 @@ def file_in_the_way(folder: str | os.PathLike) -> Path | None:
     p = Path(folder).expanduser()
     q = next((q for q in (p, *p.parents) if q.exists()), None)
     return q if q is not None and not q.is_dir() else None
+
+
+def is_disk_full(e: BaseException) -> bool:
+    """Whether ``e`` is a write that failed for want of space: ``ENOSPC``/``EDQUOT``, or numpy's
+    short write (``tofile``: "N requested and M written", an OSError without errno)."""
+    import errno
+    import re
+    if not isinstance(e, OSError):
+        return False
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    return e.errno is None and re.search(r"\d+ requested and \d+ written", str(e)) is not None
+
+
+def free_mib(folder: str | os.PathLike) -> float | None:
+    """MiB free for this user on the file system of ``folder`` (its nearest existing parent);
+    None when that cannot be read."""
+    import shutil
+    p = Path(folder).expanduser()
+    q = next((q for q in (p, *p.parents) if q.exists()), None)
+    try:
+        return shutil.disk_usage(q).free / 2**20 if q is not None else None
+    except OSError:
+        return None
+
+
+def no_space_message(folder: str | os.PathLike, what: str, need: int | None = None) -> str:
+    """One line for a write into ``folder`` that ran out of space: what was being written,
+    what is free there (and ``need`` bytes, when known), and the ways out."""
+    free = free_mib(folder)
+    return (f"no space left on the device of {folder} while writing {what}"
+            + (f" ({free:.0f} MiB free" if free is not None else " (")
+            + (f", about {need / 2**20:.0f} MiB needed)" if need else ")")
+            + "; nothing half-written was kept. Free some space (`voodoo doctor --prune_cache "
+              "30` deletes cache entries unused for 30 days) or write elsewhere "
+              "(--output_dir, --cache_dir), and rerun the same command")
