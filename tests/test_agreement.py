@@ -209,3 +209,31 @@ def test_a_gguf_llama_cpp_cannot_load_is_a_clear_error(tiny_prepared, tiny_hf, t
     # llama_vs_torch (used on exported files too) raises the same type with the reason
     with pytest.raises(LlamaCppLoadError, match="cannot load base-f32.gguf: check_tensor_dims"):
         llama_vs_torch(bad, tiny_hf, tiny_tokens, threads=1)
+
+
+def test_an_abort_of_llama_cpp_is_named_as_its_limit(tmp_path, monkeypatch):
+    """llama-perplexity dying on one of ggml's asserts (a graph llama.cpp cannot build for
+    this configuration: an MoE gating function it does not know, a buffer not set) was
+    reported as the raw command, its exit -6 and gdb's noise. Parsed from the output llama.cpp
+    prints (the lines of a real abort of the pinned build, tiny dots1 with MHA)."""
+    import voodoo.agreement as A
+    out = ("llama_context: CPU compute buffer size = 1.28 MiB\n"
+           "/root/.cache/voodoo/llama.cpp/0c1e57098/src/src/llama-graph.cpp:2072: fatal error\n"
+           "30\t../sysdeps/unix/sysv/linux/wait4.c: No such file or directory.\n")
+    e = A._load_failure(tmp_path / "base-f32.gguf", out)
+    assert e.crashed and e.reason == "llama-graph.cpp:2072: fatal error"
+    assert "aborted running base-f32.gguf" in str(e)
+    e2 = A._load_failure(tmp_path / "m.gguf", "…/ggml/src/ggml-backend.cpp:338: GGML_ASSERT("
+                         "buf != NULL && \"tensor buffer not set\") failed\n")
+    assert e2.crashed and e2.reason.startswith("ggml-backend.cpp:338: GGML_ASSERT(buf != NULL")
+    assert A._load_failure(tmp_path / "m.gguf", "ppl = 12.3\nall fine\n") is None
+
+    def crash(*a, **k):
+        raise e
+    monkeypatch.setattr(A, "llama_vs_torch", crash)
+    monkeypatch.setattr("voodoo.export.dequantized_copy", lambda p: p)
+    with pytest.raises(A.LlamaCppLoadError) as ei:
+        A.preflight(None, tmp_path / "base-f32.gguf", None)
+    msg = str(ei.value)
+    assert "aborted running base-f32.gguf" in msg and "llama-graph.cpp:2072" in msg
+    assert "scoring_func" in msg and "--skip_preflight" in msg and "\n" not in msg

@@ -80,24 +80,34 @@ class LlamaCppLoadError(PerplexityError):
     Attributes: ``reason`` (llama.cpp's own reason line, after ``error loading model:``),
     ``gguf_path``."""
 
-    def __init__(self, message: str, reason: str, gguf_path):
+    def __init__(self, message: str, reason: str, gguf_path, crashed: bool = False):
         super().__init__(message)
         self.reason = reason
         self.gguf_path = Path(gguf_path)
+        self.crashed = crashed
 
 
 _LOAD_ERROR = re.compile(r"error loading model:\s*(.+)")
+#: ggml's GGML_ASSERT/GGML_ABORT line: ``<source file>:<line>: <message>`` before the abort
+_ABORT = re.compile(r"^\S*?([\w.-]+\.(?:c|cc|cpp|h)):(\d+): (.+)$", re.M)
 
 
 def _load_failure(gguf_path, output: str) -> LlamaCppLoadError | None:
     """A :class:`LlamaCppLoadError` when a llama.cpp tool's ``output`` says it could not load
-    the model (``llama_model_load: error loading model: <reason>``), else None."""
+    the model (``llama_model_load: error loading model: <reason>``) or it aborted on one of
+    ggml's asserts (``llama-graph.cpp:2072: fatal error``, ``GGML_ASSERT(...) failed``: a
+    graph llama.cpp cannot build for this configuration; ``crashed``), else None."""
     m = _LOAD_ERROR.search(output)
-    if not m:
-        return None
-    reason = m.group(1).strip()
-    return LlamaCppLoadError(f"llama.cpp cannot load {Path(gguf_path).name}: {reason}",
-                             reason, gguf_path)
+    if m:
+        reason = m.group(1).strip()
+        return LlamaCppLoadError(f"llama.cpp cannot load {Path(gguf_path).name}: {reason}",
+                                 reason, gguf_path)
+    m = _ABORT.search(output)
+    if m:
+        reason = f"{m.group(1)}:{m.group(2)}: {m.group(3).strip()}"
+        return LlamaCppLoadError(f"llama.cpp aborted running {Path(gguf_path).name}: {reason}",
+                                 reason, gguf_path, crashed=True)
+    return None
 
 
 # ---------------------------------------------------------------------------- the file format
@@ -427,15 +437,18 @@ def preflight(hf_model: torch.nn.Module, f32_gguf: str | os.PathLike, tokens: to
         res = llama_vs_torch(dequantized_copy(f32_gguf), hf_model, tokens, **kwargs)
     except LlamaCppLoadError as e:
         from .llamacpp import llama_cpp_commit
+        what, part = ("aborted running", "graph (e.g. an MoE router's scoring function "
+                      "that config.json does not name: `scoring_func`)") if e.crashed \
+            else ("cannot load", "loader")
         raise LlamaCppLoadError(
-            f"llama.cpp {llama_cpp_commit()} cannot load {Path(f32_gguf).name}, the F32 GGUF "
+            f"llama.cpp {llama_cpp_commit()} {what} {Path(f32_gguf).name}, the F32 GGUF "
             f"its own converter wrote for this model (llama.cpp says: {e.reason}). It is a "
-            "limit of llama.cpp at this commit for this model's configuration (of its loader, "
+            f"limit of llama.cpp at this commit for this model's configuration (of its {part}, "
             "or of its converter reading this config.json through transformers "
             f"{_transformers_version()}; `gguf-dump {Path(f32_gguf)}` shows the metadata the "
             "converter wrote), not something a Voodoo flag changes (--skip_preflight neither: "
             "every later step runs llama.cpp on this file); use a configuration llama.cpp "
-            "supports, or a llama.cpp that loads it", e.reason, f32_gguf) from None
+            "supports, or a llama.cpp that runs it", e.reason, f32_gguf, e.crashed) from None
     res["max_kld"] = max_kld
     if not res["kld_mean"] <= max_kld:          # also catches nan
         top = res.get("same_top_p")
