@@ -58,6 +58,17 @@ def test_missing_path_and_wrong_files(tmp_path):
         {"architectures": ["BertForMaskedLM"], "model_type": "bert"}))
     with pytest.raises(ModelPreparationError, match="not a causal"):
         prepare_model(tmp_path / "bert")
+    # transformers loads a config without "architectures" by model_type; llama.cpp's
+    # converter stopped on it with a traceback ("Failed to detect model architecture")
+    (tmp_path / "noarch").mkdir()
+    (tmp_path / "noarch" / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(ModelPreparationError,
+                       match=r'names no "architectures".*add "architectures": '
+                             r'\["LlamaForCausalLM"\]'):
+        prepare_model(tmp_path / "noarch")
+    (tmp_path / "noarch" / "config.json").write_text('{"model_type": "llama",')
+    with pytest.raises(ModelPreparationError, match="config.json is not valid JSON"):
+        prepare_model(tmp_path / "noarch")
 
 
 def test_hub_id_gives_clear_offline_error(tmp_path, monkeypatch):
@@ -329,3 +340,24 @@ def test_converter_reason_blames_the_exception_that_ended_it():
     other = ("FileNotFoundError: [Errno 2] No such file or directory: "
              "'/data/tokenizer_runs/model.safetensors'\n")
     assert "tokenizer files" not in _converter_reason(Path("/m"), other)
+
+
+def test_a_truncated_weight_file_is_named(tiny_model_dir, tmp_path):
+    """A model.safetensors cut short (an interrupted copy) failed inside the converter with
+    "ValueError: mmap length is greater than file size", nothing about the file."""
+    import shutil
+
+    from voodoo.llamacpp import LlamaCppNotBuilt, source_dir
+    try:
+        source_dir()
+    except LlamaCppNotBuilt as e:
+        pytest.skip(str(e))
+    d = tmp_path / "cut"
+    shutil.copytree(tiny_model_dir, d)
+    w = d / "model.safetensors"
+    with open(w, "r+b") as f:
+        f.truncate(w.stat().st_size // 2)
+    with pytest.raises(ModelPreparationError) as e:
+        prepare_model(d, work_dir=tmp_path / "w")
+    first = str(e.value).split("\n")[0]
+    assert "truncated or corrupt" in first and "model.safetensors" in first, first

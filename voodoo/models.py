@@ -303,6 +303,29 @@ def gguf_to_f32(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
 
 
 # ------------------------------------------------------------------------------ HF input
+def _read_config(cfg_path: Path) -> dict:
+    """``config.json`` as a dict. Raises ModelPreparationError when it is not JSON, or names no
+    ``architectures`` (transformers loads such a folder by ``model_type``, but llama.cpp's
+    converter picks its model class by ``architectures`` only and fails with "Failed to detect
+    model architecture"): the message gives the line to add."""
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ModelPreparationError(f"{cfg_path} is not valid JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise ModelPreparationError(f"{cfg_path} is not a JSON object")
+    if not cfg.get("architectures"):
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+        cls = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(cfg.get("model_type"))
+        if cls:
+            raise ModelPreparationError(
+                f"{cfg_path} names no \"architectures\", which llama.cpp's converter needs to "
+                f"pick its model class; add \"architectures\": [\"{cls}\"] (transformers' "
+                f"causal LM class for model_type {cfg['model_type']!r}; save_pretrained writes "
+                "it)")
+    return cfg
+
+
 def _check_causal_lm(hf_dir: Path, converter_text_model: bool = False) -> dict:
     """Reads ``config.json`` and checks that the model is a causal LM transformers knows: an
     architecture in transformers' causal-LM mapping or named ``…ForCausalLM``, or a
@@ -312,7 +335,7 @@ def _check_causal_lm(hf_dir: Path, converter_text_model: bool = False) -> dict:
     cfg_path = hf_dir / "config.json"
     if not cfg_path.is_file():
         raise ModelPreparationError(f"{hf_dir} has no config.json; it is not an HF model folder")
-    cfg = json.loads(cfg_path.read_text())
+    cfg = _read_config(cfg_path)
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
     archs = cfg.get("architectures") or []
     known = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
@@ -342,7 +365,7 @@ def _prepare_hf_dir(d: Path, work_dir, name: str | None = None,
     cfg_path = d / "config.json"
     if not cfg_path.is_file():
         raise ModelPreparationError(f"{d} has no config.json; it is not an HF model folder")
-    cfg = json.loads(cfg_path.read_text())
+    cfg = _read_config(cfg_path)
     dequantizing_config(d)               # quantized weights transformers cannot dequantize
     info = converter_info(cfg)           # fails early, naming the architecture, if unknown
     _check_causal_lm(d, converter_text_model=info["supported"])
@@ -631,6 +654,15 @@ def _converter_reason(hf_dir: Path, log: str) -> str:
                "family's: copy the model's original tokenizer files beside config.json "
                "(tokenizer.model for SentencePiece families, tokenizer.json and "
                "tokenizer_config.json for BPE ones)")
+    elif re.search(r"mmap length is greater than file size|SafetensorError|"
+                   r"HeaderTooLarge|incomplete metadata|PytorchStreamReader failed|"
+                   r"unexpected EOF|file is not a zip file", final, re.I):
+        files = sorted(p.name for p in hf_dir.iterdir()
+                       if p.suffix in (".safetensors", ".bin", ".pt", ".pth"))
+        why = (f"a weight file in {hf_dir} is truncated or corrupt ({final}): copy it again "
+               f"from its source (the folder holds {', '.join(files[:6]) or 'no weight files'}"
+               f"{', ...' if len(files) > 6 else ''}; a sha256 against the source's shows "
+               "which)")
     elif (key := re.match(r"KeyError: (['\"])(.+)\1$", final)) and re.search(
             r"hparams\[(['\"])" + re.escape(key.group(2)) + r"\1\]", tail):
         why = (f"llama.cpp's converter reads {key.group(2)!r} from config.json, and this "
