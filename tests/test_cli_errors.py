@@ -1112,3 +1112,31 @@ def test_data_default_takes_what_a_short_text_holds(tiny_fixed, tmp_path):  # no
     tr, _, meta = ensure_dataset(ctx, out / "data", str(txt), 64, cli.AUTO_TRAIN_BLOCKS, 16, 0,
                                  up_to=True)
     assert tr.shape[0] > n and meta["n_train_blocks"] == tr.shape[0], meta
+
+
+def test_an_imatrix_of_another_model_is_named(tiny_fixed, tmp_path):  # noqa: F811
+    """An --imatrix whose names miss most of this model's matmul weights (another model's, of
+    the same hidden size) ran silently, and the menus' cut was blamed on get_rows-only
+    tensors."""
+    import warnings
+
+    from voodoo.imatrix import read_imatrix_raw, write_imatrix_gguf
+    out = tmp_path / "run"
+    argv = ["precache", "--model", str(tiny_fixed), "--output_dir", str(out),
+            "--seq_len", "64", "--n_train_blocks", "8", "--n_eval_blocks", "2",
+            "--imatrix_blocks", "4", "--no_ray", "--candidate_types", "Q8_0,Q4_K,IQ2_XXS",
+            "--rounding", "ggml"]
+    rc, _, err = run_cli(argv)
+    assert rc == 0, err[-2000:]
+    raw = read_imatrix_raw(out / "imatrix.gguf")
+    sums = {n: v for n, v in raw["sums"].items() if n.startswith("blk.0.")}  # layer 0 only
+    counts = {n: raw["counts"][n] for n in sums}
+    other = tmp_path / "other-imatrix.gguf"
+    write_imatrix_gguf(other, sums, counts, datasets=["other"], chunk_count=4, chunk_size=64)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        rc, so, err = run_cli([*argv, "--imatrix", str(other)])
+    assert rc == 0, err[-2000:]
+    msgs = [str(w.message) for w in caught if "has no entry for" in str(w.message)]
+    assert msgs and "made for another model" in msgs[0] and "blk.1." in msgs[0], msgs
+    assert "the --imatrix file has no entry for them" in so

@@ -1396,10 +1396,14 @@ class Run:
         if say and dropped:
             names = sorted(dropped)
             types = sorted({t for v in dropped.values() for t in v})
+            why = ("the --imatrix file has no entry for them" if getattr(self.a, "imatrix",
+                                                                          None)
+                   and any(n.startswith("blk.") for n in names) else
+                   "the imatrix has no row for them (read only by get_rows, e.g. an untied "
+                   "token_embd)")
             print(f"[voodoo] {', '.join(types)} left out of the menu of {names[0]}"
                   + (f" and {len(names) - 1} more" if len(names) > 1 else "")
-                  + ": the imatrix has no row for them (read only by get_rows, e.g. an untied "
-                  "token_embd) and libggml cannot write these types without one", flush=True)
+                  + f": {why}, and libggml cannot write these types without one", flush=True)
         return menus
 
     def train_config(self):

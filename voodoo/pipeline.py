@@ -363,7 +363,19 @@ def ensure_imatrix(ctx: Context, path, blocks: torch.Tensor | None = None,
     by ``llama-imatrix`` itself on the base F32 GGUF (experts get one vector each)."""
     from .imatrix import compute_imatrix, read_imatrix, write_imatrix_gguf
     if imatrix_file:
-        return read_imatrix(imatrix_file)
+        im = read_imatrix(imatrix_file)
+        names = _linear_name_map(ctx, partial=True)
+        want = sorted(g for g in (names or {}).values() if g.startswith("blk."))
+        missing = [g for g in want if g not in im]
+        if missing:
+            import warnings
+            warnings.warn(
+                f"--imatrix {imatrix_file} has no entry for {len(missing)} of the "
+                f"{len(want)} matmul weights in this model's blocks (e.g. {missing[0]}); "
+                "llama-imatrix run on this model records every one: was it made for another "
+                "model? Those tensors are quantized without an imatrix, and the types that "
+                "need one are left out of their menus", stacklevel=2)
+        return im
     path = Path(path)
     if path.is_file():
         return read_imatrix(path)
