@@ -75,3 +75,21 @@ def test_reachable_range_check():
     # the same range in bits per weight (Q4_0 4.5 .. Q8_0 8.5), for --target_bits users
     with pytest.raises(ValueError, match=r"= 4\.500\.\.8\.500 bits per weight"):
         check_reachable(lo - 1, table, SHAPES)
+
+
+def test_menus_without_a_choice_say_why():
+    """Rows that are not a multiple of 32 (hidden 80): llama.cpp keeps the tensors F16, every
+    menu is one type, and the message said "widen the menus" about a "Q8_0" size that was
+    F16's."""
+    from voodoo.budget import check_reachable
+    shapes = {"a": (80, 80), "b": (160, 80)}
+    table = {"a": [80 * 80 * 2], "b": [160 * 80 * 2]}
+    with pytest.raises(ValueError, match=r"nothing for Voodoo to choose") as e:
+        check_reachable(1000, table, shapes)
+    assert "rows of 80 weights are not a multiple of 32" in str(e.value)
+    assert "widen the menus" not in str(e.value)
+    # one tensor without a choice among others: the range, and what holds it
+    shapes["c"] = (64, 64)
+    table["c"] = [64 * 68, 64 * 36]
+    with pytest.raises(ValueError, match=r"menus of 2 of the 3 tensors come down to one type"):
+        check_reachable(1000, table, shapes)

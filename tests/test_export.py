@@ -108,6 +108,9 @@ def test_output_name_and_assignment_forms(tmp_path):
     assert output_name("SmolLM2-135M-Instruct", 45.2, 8.5) == \
         "SmolLM2-135M-Instruct.Voodoo45_Q8_0.gguf"
     assert output_name("M", 30.4, 2.05) == "M.Voodoo30_IQ2_XXS.gguf"
+    # rows that are not a multiple of 32 stay F16: a file at 14-16 bpw is no "Q8_0"
+    assert output_name("M", 100, 16.0) == "M.Voodoo100_F16.gguf"
+    assert output_name("M", 95, 14.0) == "M.Voodoo95_F16.gguf"
     a = {"budget_bytes": 1, "total_bytes": 1,
          "tensors": {"x.weight": {"type": "q4_k", "bytes": 1, "menu": [], "probs": []}}}
     import json

@@ -94,12 +94,25 @@ def check_reachable(budget: float, bytes_table: Mapping[str, Sequence[int]], sha
         return
     q8 = q8_0_bytes(shapes)
     bpw = 8.0 / n_weights(shapes)
+    fixed = [n for n, b in bytes_table.items() if len(set(b)) == 1]
+    if len(fixed) == len(bytes_table):
+        odd = sorted({int(shapes[n][-1]) for n in fixed if int(shapes[n][-1]) % 32})
+        raise ValueError(
+            f"no selectable tensor of this model has a choice of size: each menu comes down to "
+            f"one type ({hi} bytes in all, {hi * bpw:.3f} bpw)"
+            + (f"; rows of {', '.join(map(str, odd))} weights are not a multiple of 32, so "
+               "llama.cpp keeps those tensors F16 whatever type is asked for "
+               "(tensor_type_fallback in src/llama-quant.cpp)" if odd else
+               "; widen the menus (--candidate_types)")
+            + ". There is nothing for Voodoo to choose")
     raise ValueError(
         f"budget {int(budget)} bytes ({budget / q8:.4f} x Q8_0, {budget * bpw:.3f} bpw) is "
         f"outside the reachable range of the menus: {lo}..{hi} bytes = compression ratio "
         f"{lo / q8:.4f}..{hi / q8:.4f} of Q8_0 ({q8} bytes) = {lo * bpw:.3f}..{hi * bpw:.3f} "
-        "bits per weight; choose a --compression_ratio or --target_bits in that range or widen "
-        "the menus")
+        "bits per weight; choose a --compression_ratio or --target_bits in that range"
+        + (f" (the menus of {len(fixed)} of the {len(bytes_table)} tensors come down to one "
+           "type, e.g. F16 for rows that are not a multiple of 32)" if fixed else
+           " or widen the menus"))
 
 
 def size_penalty(size, budget: float, tolerance: float, weight: float):

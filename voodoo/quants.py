@@ -225,6 +225,8 @@ _FTYPE_DESC = {
     "Q4_0": ("G", 4.34), "Q4_K_S": ("G", 4.37), "IQ4_NL": ("bpw", 4.50), "Q4_K_M": ("G", 4.58),
     "Q4_1": ("G", 4.78), "Q5_0": ("G", 5.21), "Q5_K_S": ("G", 5.21), "Q5_K_M": ("G", 5.33),
     "Q5_1": ("G", 5.65), "Q6_K": ("G", 6.14), "Q8_0": ("G", 7.96),
+    # above Q8_0: a model whose rows are not a multiple of 32 keeps its tensors F16
+    "F16": ("bpw", 16.0),
 }
 FTYPE_NOMINAL_BPW = {k: (v if kind == "bpw" else v / 7.96 * Q8_0.bpw)
                      for k, (kind, v) in _FTYPE_DESC.items()}
