@@ -763,7 +763,7 @@ def test_hand_edited_assignment_is_named():
     from types import SimpleNamespace
 
     from voodoo.cli import UsageError, _check_assignment_tensors
-    specs = [SimpleNamespace(gguf_name=f"blk.{i}.attn_v.weight") for i in range(3)]
+    specs = [SimpleNamespace(gguf_name=f"blk.{i}.attn_v.weight", n_per_row=256) for i in range(3)]
     full = {"tensors": {s.gguf_name: {"type": "Q8_0"} for s in specs}}
     _check_assignment_tensors("a.json", full, specs)
     less = {"tensors": dict(list(full["tensors"].items())[1:])}
@@ -1140,3 +1140,25 @@ def test_an_imatrix_of_another_model_is_named(tiny_fixed, tmp_path):  # noqa: F8
     msgs = [str(w.message) for w in caught if "has no entry for" in str(w.message)]
     assert msgs and "made for another model" in msgs[0] and "blk.1." in msgs[0], msgs
     assert "the --imatrix file has no entry for them" in so
+
+
+def test_a_hand_edited_assignment_names_the_tensor_and_the_fix():
+    """A type llama.cpp does not have, or one whose blocks do not fit the tensor's rows, was
+    refused by the candidate cache without naming the tensor or the file."""
+    from types import SimpleNamespace
+
+    from voodoo.cli import UsageError, _check_assignment_tensors
+    specs = [SimpleNamespace(gguf_name="blk.0.attn_q.weight", n_per_row=128),
+             SimpleNamespace(gguf_name="blk.0.ffn_down.weight", n_per_row=512)]
+
+    def asg(q, d="Q4_K"):
+        return {"tensors": {"blk.0.attn_q.weight": {"type": q},
+                            "blk.0.ffn_down.weight": {"type": d}}}
+    _check_assignment_tensors("a.json", asg("Q5_0"), specs)
+    with pytest.raises(UsageError, match=r"a.json: blk.0.attn_q.weight has type 'FOO': "
+                                         r"unknown or unsupported ggml type"):
+        _check_assignment_tensors("a.json", asg("FOO"), specs)
+    with pytest.raises(UsageError, match=r"blk.0.attn_q.weight has type Q4_K, whose 256-weight "
+                                         r"blocks do not fit its rows of 128 weights; llama.cpp "
+                                         r"writes Q5_0 there instead"):
+        _check_assignment_tensors("a.json", asg("Q4_K"), specs)

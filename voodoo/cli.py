@@ -2141,6 +2141,22 @@ def _check_assignment_tensors(path, asg: dict, specs) -> None:
             more = f" (and {len(names) - 1} more)" if len(names) > 1 else ""
             raise UsageError(f"--assignment {path} {what}: {names[0]}{more}; was it made for "
                              "another model, or edited by hand? Train one for this model")
+    from .quants import fallback_type, qtype
+    for s in specs:
+        t = asg["tensors"][s.gguf_name]["type"]
+        try:
+            q = qtype(t)
+        except (KeyError, ValueError) as e:
+            raise UsageError(f"--assignment {path}: {s.gguf_name} has type {t!r}: "
+                             f"{str(e).strip(chr(39))}") from None
+        n = s.n_per_row
+        if n % q.block_size:
+            fb = fallback_type(q.name, n)
+            raise UsageError(
+                f"--assignment {path}: {s.gguf_name} has type {q.name}, whose {q.block_size}-"
+                f"weight blocks do not fit its rows of {n} weights; llama.cpp writes {fb.name} "
+                f"there instead (tensor_type_fallback in src/llama-quant.cpp): write "
+                f"\"{fb.name}\" in the file")
 
 
 #: the dataset flags (:func:`_data_flags`) a run's ``data/meta.json`` records
