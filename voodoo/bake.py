@@ -15,8 +15,8 @@ Three steps, all deterministic:
    of about budget/200,000 bytes, rounded so the true total stays inside), first within the
    guardrails, then, only when over the budget, without them (a warning names every tensor
    whose guardrail gave way). Under the budget the guardrails always hold: a total the
-   window cannot reach without breaking one stays under it, with a warning. A greedy repair remains as the fallback for windows too
-   narrow for that resolution: while over, the move down with the smallest drop in
+   window cannot reach without breaking one stays under it, with a warning. A greedy repair
+   remains as the fallback for windows too narrow for that resolution: while over, the move down with the smallest drop in
    log-probability per byte saved; while under, the move up with the least loss per byte spent
    that stays under the upper end. Log-probabilities are ``log_softmax(logits / temperature)``.
    (The greedy alone, ranking per byte, demoted the largest tensor first whenever its logits
@@ -287,13 +287,14 @@ def bake(gate_logits: Mapping[str, Sequence[float] | torch.Tensor],
                       f"going over ({why})", stacklevel=2)
     broken = [n for n in names if not lo[n] <= cur[n] <= hi[n]]
     if broken:
+        def asks(n):
+            return "at least " + menu[n][hi[n]] if cur[n] > hi[n] else "at most " + menu[n][lo[n]]
         warnings.warn(
             f"bake: --tensor_upgrades could not be kept within the budget of {budget} bytes "
             f"for {len(broken)} tensor(s): " + ", ".join(
-                f"{n} {menu[n][cur[n]]} (the rule asks for "
-                f"{'at least ' + menu[n][hi[n]] if cur[n] > hi[n] else 'at most ' + menu[n][lo[n]]})"
-                for n in broken[:8]) + (", ..." if len(broken) > 8 else "") +
-            "; raise the budget or ask for fewer levels", stacklevel=2)
+                f"{n} {menu[n][cur[n]]} (the rule asks for {asks(n)})" for n in broken[:8])
+            + (", ..." if len(broken) > 8 else "")
+            + "; raise the budget or ask for fewer levels", stacklevel=2)
 
     # 5. fill: bytes left under the budget are spent where ``fill_costs`` says they lower the
     # predicted cost most (the exact knapsack over the upgrades, each tensor at its own rung
