@@ -351,14 +351,15 @@ def test_untied_model_resumes(tmp_path):
     assert len(json.loads(asg.read_text())["tensors"]) > 0
 
 
-def test_a_damaged_hessians_file_is_recomputed(tiny_fixed, tmp_path):
+def test_a_damaged_hessians_file_is_recomputed(tiny_fixed, tmp_path, monkeypatch):
     """A cut-off or byte-flipped ``hessians.npz`` made every rerun stop with a raw
     ``BadZipFile``/``Bad CRC-32`` until deleted by hand; it is now recomputed, to the same
-    values, with one line naming the file."""
+    values, with one line naming the file (its cached hard link, damaged with it, too)."""
     import torch
 
     from voodoo.pipeline import ensure_hessians, load_context
     ctx = load_context(str(tiny_fixed), with_tokenizer=False)
+    monkeypatch.setenv("VOODOO_CACHE", str(tmp_path / "cache"))
     vocab = int(ctx.model.config.vocab_size)
     blocks = torch.randint(0, vocab, (2, 32), generator=torch.Generator().manual_seed(0))
     path = tmp_path / "hessians.npz"
@@ -377,6 +378,31 @@ def test_a_damaged_hessians_file_is_recomputed(tiny_fixed, tmp_path):
         for k in want:
             np.testing.assert_allclose(got[k], want[k], rtol=1e-6, err_msg=k)
         assert path.read_bytes() != damaged
+
+
+def test_hessians_of_the_same_inputs_come_from_the_cache(tiny_fixed, tmp_path, monkeypatch):
+    """The input Hessians (the largest stage of a CPU run) were computed again in every new
+    run folder; the same model and tokens now take them from ``<cache>/hessians`` (a hard
+    link: one copy on disk), other tokens do not."""
+    import torch
+
+    from voodoo.pipeline import ensure_hessians, load_context
+    ctx = load_context(str(tiny_fixed), with_tokenizer=False)
+    monkeypatch.setenv("VOODOO_CACHE", str(tmp_path / "cache"))
+    vocab = int(ctx.model.config.vocab_size)
+    blocks = torch.randint(0, vocab, (2, 32), generator=torch.Generator().manual_seed(0))
+    a, b, c = (tmp_path / x / "hessians.npz" for x in "abc")
+    want = ensure_hessians(ctx, a, blocks, {"model": "m", "tokens": "t1"})
+    shared = list((tmp_path / "cache" / "hessians").glob("*.npz"))
+    assert len(shared) == 1 and shared[0].stat().st_ino == a.stat().st_ino
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        got = ensure_hessians(ctx, b, None, {"model": "m", "tokens": "t1"})  # no blocks needed
+    assert "taken from the cache" in err.getvalue()
+    assert b.stat().st_ino == a.stat().st_ino
+    assert set(got) == set(want) and all(np.array_equal(got[k], want[k]) for k in want)
+    with pytest.raises(ValueError, match="no calibration blocks"):
+        ensure_hessians(ctx, c, None, {"model": "m", "tokens": "t2"})   # other tokens
 
 
 def test_a_damaged_cached_base_gguf_is_converted_again(tiny_fixed, tmp_path):

@@ -1818,9 +1818,9 @@ def _doctor(argv):
                          "reference GGUF (for KLD) and its voodoo.model id")
     ap.add_argument("--prune_cache", type=float, default=None, metavar="DAYS",
                     help="instead of the report: delete what Voodoo's cache holds (converted "
-                         "models, candidates, Fisher diagonals, reference logits, cleaned "
-                         "texts, other llama.cpp builds) that was not used for DAYS days; all "
-                         "of it is remade when needed")
+                         "models, candidates, Fisher diagonals, input Hessians, reference "
+                         "logits, cleaned texts, other llama.cpp builds) that was not used for "
+                         "DAYS days; all of it is remade when needed")
     ap.add_argument("--dry_run", action="store_true",
                     help="with --prune_cache: list what would be deleted, delete nothing")
     a = ap.parse_args(argv)

@@ -410,23 +410,41 @@ def ensure_hessians(ctx: Context, path, blocks: torch.Tensor | None = None,
     ``inputs`` match. ``label``: what the log line and the progress bar call them (e.g.
     ``"held-out Hessians"``).
 
+    With ``inputs`` given, the file is also kept in the Voodoo cache
+    (``<cache>/hessians/<hash of inputs>.npz``, a hard link where the file systems allow, so
+    no second copy on disk): another run folder with the same model and calibration tokens
+    takes it from there instead of computing it again (the largest stage of a CPU run).
+
     Raises ValueError when the file is missing or stale and no ``blocks`` are given."""
     from .imatrix import compute_hessians
     path = Path(path)
     # version 2: a tied embedding's head Hessian included; 3: inputs shared by identity, not
     # by address (older files gave later layers an early layer's Hessian)
     want = json.dumps({**(inputs or {}), "hessians_version": 3}, sort_keys=True)
+    import zipfile
+    unreadable = (zipfile.BadZipFile, OSError, EOFError, ValueError, KeyError)
     if path.is_file():
-        import zipfile
         try:
             got = load_hessians(path, want)
-        except (zipfile.BadZipFile, OSError, EOFError, ValueError, KeyError) as e:
+        except unreadable as e:
             log(f"{path} is unreadable ({type(e).__name__}: {e}: a damaged or cut-off file); "
                 "recomputing it")
         else:
             if got is not None:
                 return got
             log(f"{path} was made from other inputs; recomputing it")
+    shared = _shared_hessians_path(want) if inputs else None
+    if shared is not None and shared.is_file():
+        try:
+            got = load_hessians(shared, want)
+        except unreadable:
+            got = None
+        if got is not None:
+            _link_or_copy(shared, path)
+            log(f"{label}: taken from the cache ({shared}), made from the same model and "
+                "calibration tokens")
+            return got
+        shared.unlink(missing_ok=True)   # damaged: made again below
     if blocks is None:
         raise ValueError("no input Hessians file and no calibration blocks to compute one")
     names = dict(_linear_name_map(ctx, partial=True) or {})
@@ -435,11 +453,42 @@ def ensure_hessians(ctx: Context, path, blocks: torch.Tensor | None = None,
     hs = compute_hessians(ctx.model, blocks, names, progress=label)
     first: dict[int, str] = {}  # tensors sharing one input (q/k/v) share one array
     alias = {g: first.setdefault(id(h), g) for g, h in hs.items()}
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.partial-{os.getpid()}.npz")
     np.savez(tmp, __inputs__=np.array(want), __alias__=np.array(json.dumps(alias)),
              **{g: h for g, h in hs.items() if alias[g] == g})
     os.replace(tmp, path)
+    if shared is not None:
+        try:
+            _link_or_copy(path, shared)
+        except OSError as e:   # a read-only or full cache costs only the reuse
+            log(f"could not keep {label} in the cache ({shared}: {e.strerror or e})")
     return hs
+
+
+def _shared_hessians_path(want: str) -> Path:
+    """``<cache>/hessians/<sha256 of the inputs' JSON>.npz``."""
+    from .llamacpp import cache_root
+    import hashlib
+    return cache_root() / "hessians" / f"{hashlib.sha256(want.encode()).hexdigest()[:32]}.npz"
+
+
+def _link_or_copy(src: Path, dst: Path) -> None:
+    """``dst`` becomes the same file as ``src``: a hard link (no second copy on disk), else a
+    copy; atomically (a temporary name, then renamed)."""
+    import shutil
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dst.with_name(f".{dst.name}.partial-{os.getpid()}")
+    tmp.unlink(missing_ok=True)
+    try:
+        try:
+            os.link(src, tmp)
+        except OSError:
+            shutil.copyfile(src, tmp)
+        os.replace(tmp, dst)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def load_hessians(path, inputs: str | None = None) -> dict[str, np.ndarray] | None:
