@@ -50,6 +50,15 @@ class ArgumentParser(argparse.ArgumentParser):
             meant = [m for m in meant if m in known]
             if meant:
                 message += f" (Voodoo's flags use underscores: {', '.join(meant)})"
+        elif message.startswith("unrecognized arguments"):
+            import difflib
+            known = sorted({o for a in self._actions for o in a.option_strings
+                            if o.startswith("--")})
+            near = [(g, difflib.get_close_matches(g.split("=", 1)[0], known, n=1, cutoff=0.75))
+                    for g in re.findall(r"--[\w=.-]+", message)]
+            near = [f"{m[0]} for {g.split('=', 1)[0]}" for g, m in near if m]
+            if near:
+                message += f" (did you mean {', '.join(near)}?)"
         self.exit(2, f"{self.prog}: error: {message} ({self.prog} -h lists the flags)\n")
 
 
@@ -613,9 +622,12 @@ def _check_inputs_early(a) -> None:
     ratio = getattr(a, "compression_ratio", None)
     if ratio is not None and ratio > 1.0:
         if max(quants.qtype(t).bpw for t in named + ["Q8_0"]) <= quants.qtype("Q8_0").bpw:
+            hint = f" (--compression_ratio {ratio / 100:g} for Voodoo{ratio:g}?)" \
+                if 1 < ratio <= 100 else ""
             raise UsageError(f"--compression_ratio {ratio:g}: a budget above the Q8_0 size, "
                              "and no candidate type is larger than Q8_0; the ratio is a "
-                             "fraction of the Q8_0 size (Voodoo55 = 0.55): give one at most 1.0")
+                             "fraction of the Q8_0 size (Voodoo55 = 0.55): give one at most 1.0"
+                             + hint)
     im = getattr(a, "imatrix", None)
     if im and not Path(im).is_file():
         raise UsageError(f"--imatrix {im}: no such file (leave --imatrix out to compute one from "
