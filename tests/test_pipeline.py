@@ -239,12 +239,33 @@ def test_eval_in_a_run_folder_keeps_its_data(tiny_run, monkeypatch):
     """``eval --gguf X --output_dir RUN`` without WikiText scores the run's own eval split: the
     folder's data settings (data/meta.json), not the defaults rebuilt over the run's data."""
     monkeypatch.setattr(cli, "_default_eval_text", lambda: None)
+    monkeypatch.setattr(cli, "_recorded_eval_text", lambda ggufs: None)  # as before `run` kept it
     meta = tiny_run["out"] / "data" / "meta.json"
     before = meta.read_bytes()
     rc, _, stderr = run_cli(["eval", "--model", str(tiny_run["model"]), "--gguf",
                              str(tiny_run["gguf"]), "--output_dir", str(tiny_run["out"]), *EVAL])
     assert rc == 0, stderr[-3000:]
     assert "(5 blocks)" in stderr and meta.read_bytes() == before
+
+
+def test_eval_of_a_run_folders_gguf_scores_the_runs_text(tiny_run, monkeypatch):
+    """``voodoo eval --gguf runs/x/F.gguf`` without --eval_text (and no WikiText beside the
+    checkout) measured on the calibration corpus's eval split, not on the text `voodoo run`
+    scored the folder's report on: the run records that text (eval/eval-text.json), and eval
+    scores it again, to the report's KLD."""
+    monkeypatch.setattr(cli, "_default_eval_text", lambda: None)
+    rec = json.loads((tiny_run["out"] / "eval" / "eval-text.json").read_text())
+    assert Path(rec["path"]).is_file() and rec["ctx"] == 128 and rec["chunks"] == 2
+    rc, stdout, stderr = run_cli(["eval", "--model", str(tiny_run["model"]), "--gguf",
+                                  str(tiny_run["gguf"]), *EVAL])
+    assert rc == 0, stderr[-3000:]
+    assert f"measuring on {rec['path']}, the text `voodoo run` scored" in stderr
+    row = next(ln for ln in stdout.splitlines() if tiny_run["gguf"].name in ln)
+    cols = [c.strip() for c in row.strip("|").split("|")]
+    header = next(ln for ln in stdout.splitlines() if ln.startswith("| file"))
+    kld = float(cols[[c.strip() for c in header.strip("|").split("|")].index("kld")])
+    report = json.loads((tiny_run["out"] / "eval" / "report.json").read_text())[0]["kld"]
+    assert abs(kld - report) <= 1e-4 + 0.02 * report, (kld, report)
 
 
 def test_another_budget_in_a_finished_run_folder_fails_first(tiny_run):

@@ -2354,6 +2354,13 @@ def _eval(argv):
     for k, v in data_defaults.items():
         if getattr(a, k) is None:
             setattr(a, k, v)
+    if a.gguf and not a.eval_text and _default_eval_text() is None:
+        rec = _recorded_eval_text(a.gguf)
+        if rec is not None:
+            a.eval_text = str(rec)
+            print(f"[voodoo] no --eval_text: measuring on {rec}, the text `voodoo run` scored "
+                  "this run folder's report on (--eval_text FILE for another)",
+                  file=sys.stderr, flush=True)
     if a.gguf:
         _check_eval_split_length(a)
     from .evaluate import format_table, run_perplexity, save_report
@@ -2391,6 +2398,23 @@ def _eval(argv):
     if a.report:
         save_report(rows, a.report, cols, title=header)
     return 0
+
+
+#: ``voodoo run`` records here which text its report's llama-perplexity rows scored
+EVAL_TEXT_RECORD = Path("eval") / "eval-text.json"
+
+
+def _recorded_eval_text(ggufs) -> Path | None:
+    """The text ``voodoo run`` scored the run folder of ``ggufs[0]`` on (its
+    ``eval/eval-text.json``), when that file still exists; else None."""
+    if not ggufs:
+        return None
+    try:
+        rec = json.loads((Path(ggufs[0]).parent / EVAL_TEXT_RECORD).read_text())
+        p = Path(rec["path"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return p if p.is_file() else None
 
 
 def _eval_split_text(a) -> Path:

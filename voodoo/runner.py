@@ -79,6 +79,9 @@ def compare_with_stock(r) -> list[dict]:
     print("\nwall time\n")
     print(r.timer.report())
     save_report(rows, out / "eval" / "report.json", cols, title=header)
+    from .cli import EVAL_TEXT_RECORD   # `voodoo eval --gguf` of this folder scores it again
+    write_json(out / EVAL_TEXT_RECORD, {"path": str(Path(text).resolve()), "ctx": a.ctx,
+                                         "chunks": a.chunks})
     write_pictures(r, rows, out / "eval", text_name=text.name)
     write_json(out / "eval" / "timing.json", r.timer.stages)
     print(f"report: {out / 'eval' / 'report.md'} (and report.json, timing.json)")
