@@ -124,6 +124,15 @@ def test_upgrade_errors(bad, msg):
         bake(logits, menus, nbytes, 10 ** 6, tensor_upgrades=bad)
 
 
+def test_a_folder_as_upgrades_or_assignment_is_named(tmp_path):
+    from voodoo.cli import UsageError, _read_assignment
+    with pytest.raises(ValueError, match="a folder; give a JSON file"):
+        parse_tensor_upgrades(str(tmp_path))
+    (tmp_path / "m.assignment.json").write_text("{}")
+    with pytest.raises(UsageError, match=r"a folder; give the .* \(e.g. .*m.assignment.json\)"):
+        _read_assignment(tmp_path)
+
+
 def test_parse_upgrades_from_file(tmp_path):
     p = tmp_path / "ups.json"
     p.write_text('[{"pattern": "^blk\\\\.0\\\\.", "levels": -1}]')

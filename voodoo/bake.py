@@ -64,6 +64,9 @@ def parse_tensor_upgrades(spec) -> list[tuple[re.Pattern, int]]:
         return []
     if isinstance(spec, (str, bytes, os.PathLike)):
         text = spec
+        if not isinstance(spec, bytes) and str(spec).strip() and os.path.isdir(spec):
+            raise ValueError(f"--tensor_upgrades {spec}: a folder; give a JSON file or the "
+                             "JSON text itself")
         if not isinstance(spec, bytes) and os.path.isfile(spec):
             with open(spec) as f:
                 text = f.read()

@@ -2124,6 +2124,11 @@ def _read_assignment(path) -> dict:
     """The ``<name>.assignment.json`` that ``voodoo train`` writes, parsed and checked (a
     ``tensors`` object whose entries have a ``type``). Raises UsageError naming the file."""
     p = Path(path)
+    if p.is_dir():
+        raise UsageError(f"--assignment {path}: a folder; give the <name>.assignment.json "
+                         "file that voodoo train wrote"
+                         + (f" (e.g. {next(p.glob('*.assignment.json'))})"
+                            if any(p.glob("*.assignment.json")) else ""))
     if not p.is_file():
         raise UsageError(f"--assignment {path}: no such file")
     try:
