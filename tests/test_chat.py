@@ -57,6 +57,30 @@ def test_generate_is_greedy_and_deterministic(tiny_voodoo_gguf):
     assert a.templated                       # the GGUF has a chat template: -cnv -st
     assert a.text and a.text == b.text
     assert "Hello" not in a.text[:5]         # the prompt is not echoed
+    assert a.cut                             # a random model runs to --n_predict
+
+
+def test_an_answer_cut_at_n_predict_is_marked(tiny_voodoo_gguf, monkeypatch, capsys):
+    """An answer llama.cpp stopped at --n_predict read as if the model had finished; it now
+    ends with a marker. Whether it was cut comes from llama-completion's own count of
+    generated tokens ("eval time = ... / N runs", N + 1 tokens with the prompt's first)."""
+    _need("llama-completion")
+    import subprocess
+
+    from voodoo import chat
+    reps = chat.side_by_side(tiny_voodoo_gguf, "Hello", None, n_predict=8, ctx=256)
+    assert reps[0].cut and capsys.readouterr().out.rstrip().endswith(
+        "[... cut at --n_predict 8]")
+    real = subprocess.run
+    ended = ("common_perf_print:        eval time =      33.97 ms /     7 runs   (    4.85 ms "
+             "per token,   206.04 tokens per second)\n")   # "The capital of France is Paris."
+
+    def run(*a, **k):
+        r = real(*a, **k)
+        return subprocess.CompletedProcess(r.args, 0, r.stdout, ended)
+    monkeypatch.setattr(chat.subprocess, "run", run)
+    assert not chat.generate(tiny_voodoo_gguf, "Hello", n_predict=64, ctx=256).cut
+    assert chat.generate(tiny_voodoo_gguf, "Hello", n_predict=8, ctx=256).cut
 
 
 def test_voodoo_chat_reference_side_by_side(tiny_voodoo_gguf, tiny_prepared, capsys):

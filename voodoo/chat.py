@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -51,12 +52,14 @@ def has_chat_template(gguf: str | os.PathLike) -> bool:
 class Reply:
     """One generation: ``text`` (the model's answer, prompt and template not included),
     ``model`` (the GGUF), ``templated`` (whether the chat template was applied), ``seconds``
-    (wall time, model load included)."""
+    (wall time, model load included), ``cut`` (the answer reached ``n_predict`` tokens:
+    llama.cpp stopped it, not the model)."""
 
     text: str
     model: Path
     templated: bool
     seconds: float
+    cut: bool = False
 
 
 def generate(gguf: str | os.PathLike, prompt: str, n_predict: int = 128, ctx: int = 2048,
@@ -102,7 +105,12 @@ def generate(gguf: str | os.PathLike, prompt: str, n_predict: int = 128, ctx: in
                     else ": give a prompt without them")
         raise ChatError(f"llama-completion failed on {gguf.name} (exit {r.returncode}){why}:\n"
                         f"{_tail(r.stderr or r.stdout)}")
-    return Reply(_clean(r.stdout), gguf, templated, time.monotonic() - t0)
+    # common_perf_print's "eval time = ... / N runs": the first token comes from the prompt's
+    # evaluation, so n_predict tokens are N + 1 (an end-of-text at exactly that count also
+    # reads as cut)
+    runs = re.findall(r"\beval time =[^/\n]*/\s*(\d+) runs", r.stderr)
+    cut = bool(runs) and int(runs[-1]) + 1 >= int(n_predict)
+    return Reply(_clean(r.stdout), gguf, templated, time.monotonic() - t0, cut)
 
 
 def _clean(out: str) -> str:
@@ -134,7 +142,8 @@ def side_by_side(gguf: str | os.PathLike, prompt: str, reference: str | os.PathL
         how = "chat template" if rep.templated else "no chat template: plain continuation"
         print(f"\n--- {label}: {Path(f).name} ({size:.1f} MiB; greedy, {how}; "
               f"{rep.seconds:.1f} s)", file=out)
-        print(rep.text, file=out, flush=True)
+        print(rep.text + (f" [... cut at --n_predict {n_predict}]" if rep.cut else ""),
+              file=out, flush=True)
     return replies
 
 
