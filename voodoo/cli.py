@@ -162,9 +162,9 @@ def _data_flags(ap):
 def _check_cache_paths(a) -> None:
     """A folder Voodoo will create that is a file fails here, naming it: ``--cache_dir`` or
     ``$VOODOO_CACHE`` (it failed after the imatrix and Hessians with "Not a directory", or, for
-    ``VOODOO_CACHE``, as a llama.cpp that is not built), ``--output_dir``, ``--data_dir`` and
-    the run folder's ``data``, ``train``, ``eval``, ``stock`` (a file there failed after
-    the stages before it)."""
+    ``VOODOO_CACHE``, as a llama.cpp that is not built), ``--data_dir`` and the run folder's
+    ``data``, ``train``, ``eval``, ``stock`` (a file there failed after the stages before
+    it)."""
     from .fsutil import file_in_the_way
     for what, value in (("--cache_dir", getattr(a, "cache_dir", None)),
                         ("VOODOO_CACHE", os.environ.get("VOODOO_CACHE"))):
@@ -175,8 +175,8 @@ def _check_cache_paths(a) -> None:
             raise UsageError(f"{what} {value}: {bad} is a file, not a folder; give a folder "
                              "(it is created if missing)")
     out = getattr(a, "output_dir", None)
-    folders = [("--output_dir", out)] if out else []
-    if out:
+    folders = []
+    if out and file_in_the_way(out) is None:   # else: the output folder's own check says so
         folders += [(f"--output_dir {out}", Path(out) / sub)
                     for sub in ("data", "train", "eval", "stock")]
     if getattr(a, "data_dir", None):
