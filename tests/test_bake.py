@@ -106,6 +106,26 @@ def test_guardrails_hold_under_the_budget_and_give_way_over_it_with_a_warning():
         b = bake({"big": [0.0, 5.0], "small": [0.0, 0.0, 0.0, 5.0]}, menus, nbytes, 570,
                  tolerance=0.0, tensor_upgrades='[{"pattern": "small", "levels": 3}]')
     assert b["total_bytes"] == 570
+    # over the budget at the argmax, and no landing inside the window keeps the downgrade
+    # rule: it holds, under the budget (a downgrade never needs to give way to save bytes)
+    with pytest.warns(UserWarning, match="guardrails of 1 tensor"):
+        c = bake({"big": [5.0, 0.0], "small": [5.0, 0.0, 0.0, 0.0]}, menus, nbytes, 600,
+                 tensor_upgrades='[{"pattern": "small", "levels": -3}]')
+    assert {n: t["type"] for n, t in c["tensors"].items()} == {"big": "B", "small": "D"}
+
+
+def test_a_later_rule_on_a_tensor_replaces_its_guardrail():
+    """Up then down on one tensor left both guardrails, contradicting each other: a false
+    "could not be kept" warning for exactly the rung the rules asked for."""
+    import warnings
+    menus = {"a": list("ABCD"), "b": list("ABCD")}
+    nbytes = {"a": [100, 80, 60, 40], "b": [100, 80, 60, 40]}
+    logits = {"a": [0, 0, 5, 0], "b": [0, 0, 5, 0]}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        r = bake(logits, menus, nbytes, 140,
+                 tensor_upgrades='[{"pattern": "a", "levels": 2}, {"pattern": "a", "levels": -1}]')
+    assert r["tensors"]["a"]["type"] == "B" and r["total_bytes"] == 140
 
 
 @pytest.mark.parametrize("bad, msg", [

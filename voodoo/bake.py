@@ -8,7 +8,8 @@ Three steps, all deterministic:
    its own menu (positive: more bits) or down (negative), clamped to the menu's ends. Rules are
    applied in order, each to the result of the previous one. The rung a rule leaves a tensor on
    becomes a *guardrail*: an upgraded tensor is not moved below it, a downgraded one not above
-   it, by the repair step -- unless the budget cannot be met otherwise.
+   it, by the repair step -- unless the budget cannot be met otherwise. A later rule that
+   matches a tensor again replaces the earlier rule's guardrail.
 3. **repair** to the budget, when the argmax total is outside ``budget * (1 -/+ tolerance)``:
    the assignment of largest total gate log-probability whose total lies inside that window,
    found exactly by dynamic programming over bytes (a multiple-choice knapsack; sizes in units
@@ -170,12 +171,12 @@ def bake(gate_logits: Mapping[str, Sequence[float] | torch.Tensor],
         if not hit:
             raise ValueError(f"--tensor_upgrades pattern {rx.pattern!r} matches no tensor "
                              f"(names look like {names[0]!r})")
-        for n in hit:
+        for n in hit:   # a later rule on a tensor replaces an earlier rule's guardrail
             cur[n] = min(max(cur[n] - lev, 0), len(menu[n]) - 1)
             if lev > 0:
-                hi[n] = cur[n]
+                lo[n], hi[n] = 0, cur[n]
             elif lev < 0:
-                lo[n] = cur[n]
+                lo[n], hi[n] = cur[n], len(menu[n]) - 1
 
     # 3. repair.
     if ceiling:
@@ -204,9 +205,13 @@ def bake(gate_logits: Mapping[str, Sequence[float] | torch.Tensor],
 
     if not lower <= total <= upper:
         # exact: the assignment of most total log-probability inside [lower, upper]; the
-        # guardrails are dropped only to get under the upper end, never to spend more bytes
-        for lo_, hi_ in ((lo, hi), (full_lo, full_hi)) if total > upper else ((lo, hi),):
-            got = min_cost_assignment({n: [-v for v in lp[n]] for n in names}, nb, lower,
+        # guardrails are dropped only when nothing within them gets under the upper end
+        # (never to spend more bytes: then the best within them under the upper end)
+        tries = [(lo, hi, lower)]
+        if total > upper:
+            tries += [(lo, hi, 0), (full_lo, full_hi, lower)]
+        for lo_, hi_, floor in tries:
+            got = min_cost_assignment({n: [-v for v in lp[n]] for n in names}, nb, floor,
                                       upper, {n: (lo_[n], hi_[n]) for n in names})
             if got is not None:
                 cur = got
