@@ -1162,3 +1162,23 @@ def test_a_hand_edited_assignment_names_the_tensor_and_the_fix():
                                          r"blocks do not fit its rows of 128 weights; llama.cpp "
                                          r"writes Q5_0 there instead"):
         _check_assignment_tensors("a.json", asg("Q4_K"), specs)
+
+
+def test_a_config_without_architectures_is_named_by_run_and_export(tiny_fixed, tmp_path):  # noqa: F811
+    """`voodoo run`/`export` check the model folder before any stage; a config.json without
+    "architectures" got the converter's traceback there ("Failed to detect model
+    architecture"), not the line to add."""
+    import shutil
+    m = tmp_path / "m"
+    shutil.copytree(tiny_fixed, m)
+    cfg = json.loads((m / "config.json").read_text())
+    cfg.pop("architectures")
+    (m / "config.json").write_text(json.dumps(cfg))
+    asg = tmp_path / "m.assignment.json"
+    asg.write_text(json.dumps({"tensors": {"blk.0.attn_q.weight": {"type": "Q8_0"}}}))
+    for cmd in (["run", "--no_ray"], ["export", "--assignment", str(asg)]):
+        rc, _, err = run_cli([cmd[0], "--model", str(m), "--output_dir", str(tmp_path / "o"),
+                              *cmd[1:]])
+        line = error_line(rc, err, cmd[0])
+        assert 'names no "architectures"' in line and '["LlamaForCausalLM"]' in line, line
+        assert "Traceback" not in err

@@ -982,20 +982,14 @@ def _check_model_early(model_arg: str) -> None:
     if not (p.is_dir() and (p / "config.json").is_file()):
         return  # prepare_model reports .gguf files and non-model folders itself
     from .llamacpp import LlamaCppNotBuilt, source_dir
-    from .models import converter_info
-    import json as _json
+    from .models import _read_config, converter_info
     try:
         source_dir()
     except LlamaCppNotBuilt:
         return
-    # the converter must know the architecture (raises ModelPreparationError naming it)
-    try:
-        cfg = _json.loads((p / "config.json").read_text())
-    except ValueError as e:
-        from .models import ModelPreparationError
-        raise ModelPreparationError(f"{p / 'config.json'} is not valid JSON ({e}); fix it or "
-                                    "copy the model folder again") from None
-    converter_info(cfg)
+    # the converter must know the architecture (raises ModelPreparationError naming it);
+    # config.json must be JSON and name its "architectures" (the line to add, else)
+    converter_info(_read_config(p / "config.json"))
 
 
 def _check_upgrade_patterns(rules, names) -> None:
