@@ -361,3 +361,33 @@ def test_a_truncated_weight_file_is_named(tiny_model_dir, tmp_path):
         prepare_model(d, work_dir=tmp_path / "w")
     first = str(e.value).split("\n")[0]
     assert "truncated or corrupt" in first and "model.safetensors" in first, first
+
+
+def test_a_full_disk_during_conversion_is_named(tiny_model_dir, tmp_path):
+    """The converter's "OSError: Not enough free space to write N bytes" reached the user as
+    its traceback. Needs a small tmpfs (root): skipped elsewhere."""
+    import os
+    import shutil
+    import subprocess
+
+    from voodoo.llamacpp import LlamaCppNotBuilt, source_dir
+    try:
+        source_dir()
+    except LlamaCppNotBuilt as e:
+        pytest.skip(str(e))
+    small = tmp_path / "small"
+    small.mkdir()
+    if not (shutil.which("mount") and os.geteuid() == 0 and subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(small)],
+            capture_output=True).returncode == 0):
+        pytest.skip("cannot mount a small tmpfs here (needs root)")
+    try:
+        with pytest.raises(ModelPreparationError) as e:
+            prepare_model(tiny_model_dir, work_dir=small / "w")
+        msg = str(e.value)
+        assert msg.startswith(f"no space left on the device of {small / 'w'} while writing "
+                              "base-f32.gguf"), msg
+        assert "Traceback" not in msg
+        assert not [p for p in (small / "w").iterdir() if p.name != "hf"]
+    finally:
+        subprocess.run(["umount", str(small)], check=True)

@@ -424,6 +424,22 @@ def test_hessians_of_the_same_inputs_come_from_the_cache(tiny_fixed, tmp_path, m
     assert set(got) == set(want) and all(np.array_equal(got[k], want[k]) for k in want)
     with pytest.raises(ValueError, match="no calibration blocks"):
         ensure_hessians(ctx, c, None, {"model": "m", "tokens": "t2"})   # other tokens
+    # a full run folder: no half-written file left there, the cache keeps them
+    import errno
+    real = np.savez
+
+    def full(file, *a, **k):
+        if Path(file).parent == tmp_path / "c":
+            Path(file).write_bytes(b"half")
+            raise OSError(errno.ENOSPC, "No space left on device", str(file))
+        return real(file, *a, **k)
+    monkeypatch.setattr(np, "savez", full)
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        got = ensure_hessians(ctx, c, blocks, {"model": "m", "tokens": "t3"})
+    assert "kept in the cache" in err.getvalue() and set(got) == set(want)
+    assert not list((tmp_path / "c").iterdir())
+    assert len(list((tmp_path / "cache" / "hessians").glob("*.npz"))) == 2
 
 
 def test_a_damaged_cached_base_gguf_is_converted_again(tiny_fixed, tmp_path):

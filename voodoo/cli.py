@@ -2808,8 +2808,13 @@ def main(argv: list[str] | None = None) -> int:
             raise
         from .fsutil import is_disk_full, no_space_message
         if is_disk_full(e):   # any stage's write (Hessians, candidates, journal...)
-            where = Path(e.filename).parent if getattr(e, "filename", None) else Path.cwd()
-            e = no_space_message(where, str(e.filename or "a file"))
+            if getattr(e, "filename", None):
+                e = no_space_message(Path(e.filename).parent, str(e.filename))
+            else:   # e.g. pyarrow's: the folders this command writes to, and what is free
+                from .llamacpp import cache_root
+                named = [_flag_value(argv[1:], f) for f in ("--output_dir", "--cache_dir")]
+                e = no_space_message(None, "", candidates=(
+                    *[v for v in named if v], cache_root(), Path.cwd()))
         print(f"voodoo {argv[0]}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
@@ -2831,6 +2836,16 @@ def main(argv: list[str] | None = None) -> int:
         _release_run_folders()  # the run folder's lock ends with the command
         if not ok and new_dir is not None:
             _remove_if_empty(new_dir)
+
+
+def _flag_value(args: list[str], flag: str) -> str | None:
+    """The value given to ``flag`` in ``args`` (``--flag V`` or ``--flag=V``), or None."""
+    for i, x in enumerate(args):
+        if x == flag and i + 1 < len(args):
+            return args[i + 1]
+        if x.startswith(flag + "="):
+            return x.split("=", 1)[1]
+    return None
 
 
 def _new_output_dir(args: list[str]) -> Path | None:

@@ -92,13 +92,21 @@ def free_mib(folder: str | os.PathLike) -> float | None:
         return None
 
 
-def no_space_message(folder: str | os.PathLike, what: str, need: int | None = None) -> str:
+def no_space_message(folder: str | os.PathLike | None, what: str, need: int | None = None,
+                     candidates: tuple = ()) -> str:
     """One line for a write into ``folder`` that ran out of space: what was being written,
-    what is free there (and ``need`` bytes, when known), and the ways out."""
-    free = free_mib(folder)
-    return (f"no space left on the device of {folder} while writing {what}"
-            + (f" ({free:.0f} MiB free" if free is not None else " (")
-            + (f", about {need / 2**20:.0f} MiB needed)" if need else ")")
-            + "; nothing half-written was kept. Free some space (`voodoo doctor --prune_cache "
-              "30` deletes cache entries unused for 30 days) or write elsewhere "
-              "(--output_dir, --cache_dir), and rerun the same command")
+    what is free there (and at least ``need`` bytes, when known), and the ways out. ``folder``
+    None (the error named no file): what is free in each of ``candidates``, the folders the
+    command writes to."""
+    if folder is None:
+        frees = [(c, free_mib(c)) for c in dict.fromkeys(map(str, candidates))]
+        where = ("no space left on a device while writing (the error names no file; free: "
+                 + ", ".join(f"{c} {f:.0f} MiB" for c, f in frees if f is not None) + ")")
+    else:
+        free = free_mib(folder)
+        where = (f"no space left on the device of {folder} while writing {what}"
+                 + (f" ({free:.0f} MiB free" if free is not None else " (")
+                 + (f", at least {need / 2**20:.0f} MiB needed)" if need else ")"))
+    return (where + "; nothing half-written was kept. Free some space (`voodoo doctor "
+            "--prune_cache 30` deletes cache entries unused for 30 days) or write elsewhere "
+            "(--output_dir, --cache_dir, VOODOO_CACHE), and rerun the same command")

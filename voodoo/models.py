@@ -615,6 +615,11 @@ def convert_hf_to_f32_gguf(hf_dir: str | os.PathLike, out: str | os.PathLike,
         raise
     if r.returncode:
         Path(tmp).unlink(missing_ok=True)
+        if re.search(r"Not enough free space|No space left on device", r.stdout):
+            from .fsutil import no_space_message
+            raise ModelPreparationError(no_space_message(
+                out.parent, f"{out.name} (llama.cpp's converter: the model in F32)",
+                need=sum(f.stat().st_size for f in hf_dir.glob("*.safetensors")) or None))
         raise ModelPreparationError(_converter_reason(hf_dir, r.stdout))
     from .ggufio import read_gguf
     try:

@@ -440,11 +440,16 @@ def ensure_hessians(ctx: Context, path, blocks: torch.Tensor | None = None,
         except unreadable:
             got = None
         if got is not None:
-            _link_or_copy(shared, path)
             log(f"{label}: taken from the cache ({shared}), made from the same model and "
                 "calibration tokens")
+            try:
+                _link_or_copy(shared, path)
+            except OSError as e:   # e.g. a full run folder: the cache's copy serves
+                log(f"could not place {label} in {path} ({e.strerror or e}); the cache's copy "
+                    "is used")
             return got
-        shared.unlink(missing_ok=True)   # damaged: made again below
+        log(f"{shared} is damaged; computing {label} again")
+        shared.unlink(missing_ok=True)
     if blocks is None:
         raise ValueError("no input Hessians file and no calibration blocks to compute one")
     names = dict(_linear_name_map(ctx, partial=True) or {})
@@ -453,11 +458,24 @@ def ensure_hessians(ctx: Context, path, blocks: torch.Tensor | None = None,
     hs = compute_hessians(ctx.model, blocks, names, progress=label)
     first: dict[int, str] = {}  # tensors sharing one input (q/k/v) share one array
     alias = {g: first.setdefault(id(h), g) for g, h in hs.items()}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.partial-{os.getpid()}.npz")
-    np.savez(tmp, __inputs__=np.array(want), __alias__=np.array(json.dumps(alias)),
-             **{g: h for g, h in hs.items() if alias[g] == g})
-    os.replace(tmp, path)
+    def save(target: Path) -> None:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(f".{target.name}.partial-{os.getpid()}.npz")
+        try:
+            np.savez(tmp, __inputs__=np.array(want), __alias__=np.array(json.dumps(alias)),
+                     **{g: h for g, h in hs.items() if alias[g] == g})
+            os.replace(tmp, target)
+        except BaseException:   # a full disk, Ctrl-C: no half-written file left behind
+            tmp.unlink(missing_ok=True)
+            raise
+    try:
+        save(path)
+    except OSError:
+        if shared is None:
+            raise
+        save(shared)   # the run folder is full: the cache keeps them (or this raises too)
+        log(f"could not write {path}; {label} kept in the cache ({shared})")
+        return hs
     if shared is not None:
         try:
             _link_or_copy(path, shared)
