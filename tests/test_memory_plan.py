@@ -179,3 +179,32 @@ def test_cpu_training_plans_with_the_hosts_memory(tiny_fixed, tmp_path, monkeypa
     assert rc == 0, se[-3000:]
     assert "using --lazy" in so
     assert list((tmp_path / "b").glob("*.assignment.json"))
+
+
+def test_cgroup_headroom_reads_v1_and_v2_limits(tmp_path):
+    """In a container or a job with a memory limit, /proc/meminfo shows the host's memory:
+    the plan then said a run fits and the kernel killed it (rc 137). The cgroup's room,
+    the smallest over it and its parents, is what counts."""
+    from voodoo.lazy import cgroup_headroom
+    GB = 2 ** 30
+    v2 = tmp_path / "v2"
+    (v2 / "job" / "step").mkdir(parents=True)
+    (v2 / "job" / "memory.max").write_text(f"{3 * GB}\n")
+    (v2 / "job" / "memory.current").write_text(f"{1 * GB}\n")
+    (v2 / "job" / "step" / "memory.max").write_text("max\n")
+    (v2 / "job" / "step" / "memory.current").write_text(f"{GB // 2}\n")
+    pc = tmp_path / "cgroup2"
+    pc.write_text("0::/job/step\n")
+    assert cgroup_headroom(str(pc), str(v2)) == 2 * GB
+    v1 = tmp_path / "v1"
+    (v1 / "memory" / "docker" / "abc").mkdir(parents=True)
+    (v1 / "memory" / "docker" / "abc" / "memory.limit_in_bytes").write_text(f"{4 * GB}")
+    (v1 / "memory" / "docker" / "abc" / "memory.usage_in_bytes").write_text(f"{GB}")
+    (v1 / "memory" / "memory.limit_in_bytes").write_text("9223372036854771712")  # no limit
+    (v1 / "memory" / "memory.usage_in_bytes").write_text(f"{8 * GB}")
+    pc1 = tmp_path / "cgroup1"
+    pc1.write_text("5:cpu,cpuacct:/docker/abc\n4:memory:/docker/abc\n0::/\n")
+    assert cgroup_headroom(str(pc1), str(v1)) == 3 * GB
+    pc1.write_text("4:memory:/\n")
+    assert cgroup_headroom(str(pc1), str(v1)) is None
+    assert cgroup_headroom(str(tmp_path / "none"), str(v1)) is None

@@ -35,7 +35,8 @@ from .dequant import compile_recompile_limit, dequantize, exact_compile_options,
 from .quants import qtype
 
 __all__ = ["QuantizedCandidates", "LazyMix", "lazy_mix", "QuantizedParams", "predict_memory",
-           "format_memory", "plan_memory", "host_memory_capacity", "MemoryPlanError", "DEFAULT_TILE_ELEMENTS",
+           "format_memory", "plan_memory", "host_memory_capacity", "cgroup_headroom",
+           "MemoryPlanError", "DEFAULT_TILE_ELEMENTS",
            "DEFAULT_COMPILED_TILE_ELEMENTS", "lazy_kernel_choice", "LAZY_KERNEL_ENV"]
 
 #: Weights per tile (rows x n_per_row, rounded to whole rows) on the eager path: ~4 Mi weights
@@ -581,9 +582,11 @@ def format_memory(pred: dict[str, int], measured_peak: int | None = None) -> str
 
 
 def host_memory_capacity() -> int | None:
-    """Bytes a CPU run may use: the kernel's ``MemAvailable`` (``/proc/meminfo``) plus what
-    this process holds already (its resident set: the loaded model the student is built
-    from). None where that cannot be read (not Linux)."""
+    """Bytes a CPU run may use: the kernel's ``MemAvailable`` (``/proc/meminfo``), or less
+    where a memory cgroup (a container, a Slurm job, ``systemd-run -p MemoryMax=``) leaves
+    less room (:func:`cgroup_headroom`), plus what this process holds already (its resident
+    set: the loaded model the student is built from). None where that cannot be read (not
+    Linux)."""
     try:
         with open("/proc/meminfo") as f:
             avail = next(int(line.split()[1]) * 1024 for line in f
@@ -592,7 +595,48 @@ def host_memory_capacity() -> int | None:
             rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, StopIteration, ValueError, IndexError):
         return None
-    return avail + rss
+    room = cgroup_headroom()
+    return min(avail, room if room is not None else avail) + rss
+
+
+def cgroup_headroom(proc_cgroup: str = "/proc/self/cgroup",
+                    root: str = "/sys/fs/cgroup") -> int | None:
+    """Bytes this process's memory cgroups still allow: the smallest ``limit - usage`` over
+    its cgroup and the cgroups above it (v2: ``memory.max``/``memory.current``; v1:
+    ``memory.limit_in_bytes``/``memory.usage_in_bytes``). None when no limit is set or the
+    files cannot be read."""
+    from pathlib import Path
+    try:
+        lines = Path(proc_cgroup).read_text().splitlines()
+    except OSError:
+        return None
+    places = []
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, ctrls, path = parts
+        if ctrls == "":   # v2
+            for base in (Path(root), Path(root) / "unified"):
+                places.append((base, path, "memory.max", "memory.current"))
+        elif "memory" in ctrls.split(","):   # v1
+            places.append((Path(root) / "memory", path, "memory.limit_in_bytes",
+                           "memory.usage_in_bytes"))
+    best = None
+    for base, path, lim_name, use_name in places:
+        p = Path(path.lstrip("/"))
+        for q in (p, *p.parents):
+            d = base / q
+            try:
+                lim = d.joinpath(lim_name).read_text().strip()
+                use = int(d.joinpath(use_name).read_text().strip())
+            except (OSError, ValueError):
+                continue
+            if lim == "max" or not lim.isdigit() or int(lim) >= 1 << 60:
+                continue
+            room = max(0, int(lim) - use)
+            best = room if best is None else min(best, room)
+    return best
 
 
 class MemoryPlanError(ValueError):
