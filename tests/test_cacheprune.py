@@ -75,6 +75,15 @@ def test_prune_removes_what_was_not_used_and_keeps_the_rest(tmp_path, monkeypatc
                     "models/by-sha256/ab.json"]
     with pytest.raises(ValueError, match=">= 0"):
         prune_cache(root, -1)
+    # a linked folder in the cache: the link goes, never what it points to
+    outside = tmp_path / "outside"
+    _file(outside / "keep.arrow", 10, 99, now)
+    (root / "candidates" / "Q4_K").mkdir(parents=True, exist_ok=True)
+    (root / "candidates" / "LINKED").symlink_to(outside, target_is_directory=True)
+    os.utime(root / "candidates" / "LINKED", (now - 99 * DAY,) * 2, follow_symlinks=False)
+    res = prune_cache(root, 7, now=now)
+    assert [e.paths[0].name for e in res.removed] == ["LINKED"]
+    assert (outside / "keep.arrow").is_file() and not (root / "candidates" / "LINKED").exists()
 
 
 def test_doctor_prune_cache_cli_and_a_pruned_reference_is_made_again(tiny_prepared, tmp_path,
@@ -103,6 +112,8 @@ def test_doctor_prune_cache_cli_and_a_pruned_reference_is_made_again(tiny_prepar
     assert not (cache / "candidates" / "Q8_0" / "old.arrow").exists()
     rc, _, err = run_cli(["doctor", "--dry_run"])
     assert rc == 2 and "--dry_run goes with --prune_cache" in err
+    rc, _, err = run_cli(["doctor", "--prune", "0"])   # no abbreviation deletes anything
+    assert rc == 2 and "did you mean --prune_cache" in err
 
     prepared = prepare_model(str(tiny_prepared.hf_dir))   # converted into this cache
     ref = Path(prepared.reference_gguf)

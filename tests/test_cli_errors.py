@@ -1158,6 +1158,8 @@ def test_a_hand_edited_assignment_names_the_tensor_and_the_fix():
     with pytest.raises(UsageError, match=r"a.json: blk.0.attn_q.weight has type 'FOO': "
                                          r"unknown or unsupported ggml type"):
         _check_assignment_tensors("a.json", asg("FOO"), specs)
+    with pytest.raises(UsageError, match=r"blk.0.attn_q.weight has type 12; give a ggml type"):
+        _check_assignment_tensors("a.json", asg(12), specs)   # not read as ggml type id 12
     with pytest.raises(UsageError, match=r"blk.0.attn_q.weight has type Q4_K, whose 256-weight "
                                          r"blocks do not fit its rows of 128 weights; llama.cpp "
                                          r"writes Q5_0 there instead"):

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import stat
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -66,7 +67,8 @@ class PruneResult:
 
 
 def _usage(p: Path) -> tuple[float, int]:
-    """(newest max(atime, mtime), total bytes) of a file or of every file under a folder."""
+    """(newest max(atime, mtime), total bytes) of a file or of every file under a folder (a
+    link: the link itself)."""
     last, n = 0.0, 0
     walk = os.walk(p) if p.is_dir() and not p.is_symlink() else [(str(p.parent), [], [p.name])]
     for dirpath, _dirs, files in walk:
@@ -75,7 +77,9 @@ def _usage(p: Path) -> tuple[float, int]:
                 st = os.lstat(os.path.join(dirpath, f))
             except OSError:
                 continue
-            last, n = max(last, st.st_atime, st.st_mtime), n + st.st_size
+            # a link's atime moves whenever a path through it is resolved (this listing too)
+            used = st.st_mtime if stat.S_ISLNK(st.st_mode) else max(st.st_atime, st.st_mtime)
+            last, n = max(last, used), n + st.st_size
     if p.is_dir() and last == 0.0:   # an empty folder: its own times
         try:
             st = os.lstat(p)
@@ -98,9 +102,10 @@ def cache_entries(root: str | os.PathLike, keep_commit: str | None = None) -> li
         d = root / kind
         if not d.is_dir():
             continue
-        if kind == "candidates":
-            groups += [(kind, [f]) for t in sorted(d.iterdir()) if t.is_dir()
-                       for f in sorted(t.iterdir())]
+        if kind == "candidates":   # a linked folder is not descended into: only the link
+            groups += [(kind, [f]) for t in sorted(d.iterdir())
+                       if t.is_dir() and not t.is_symlink() for f in sorted(t.iterdir())]
+            groups += [(kind, [t]) for t in sorted(d.iterdir()) if t.is_symlink()]
         elif kind in ("models", "llama.cpp"):
             groups += [(kind, [p]) for p in sorted(d.iterdir())
                        if p.name not in ("by-sha256", keep_commit)]

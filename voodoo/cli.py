@@ -54,8 +54,10 @@ class ArgumentParser(argparse.ArgumentParser):
             import difflib
             known = sorted({o for a in self._actions for o in a.option_strings
                             if o.startswith("--")})
-            near = [(g, difflib.get_close_matches(g.split("=", 1)[0], known, n=1, cutoff=0.75))
-                    for g in re.findall(r"--[\w=.-]+", message)]
+            def close(g):   # a prefix of a flag, or a near spelling
+                return ([k for k in known if k.startswith(g)][:1]
+                        or difflib.get_close_matches(g, known, n=1, cutoff=0.75))
+            near = [(g, close(g.split("=", 1)[0])) for g in re.findall(r"--[\w=.-]+", message)]
             near = [f"{m[0]} for {g.split('=', 1)[0]}" for g, m in near if m]
             if near:
                 message += f" (did you mean {', '.join(near)}?)"
@@ -1814,7 +1816,8 @@ def _bootstrap(argv):
 def _doctor(argv):
     from . import doctor
     ap = ArgumentParser(
-        formatter_class=HelpFormatter, prog="voodoo doctor",
+        formatter_class=HelpFormatter, prog="voodoo doctor", allow_abbrev=False,  # --prune
+        # would otherwise delete as --prune_cache
         description="what this machine has for Voodoo (Python, torch, accelerators, Ray, "
                     "llama.cpp's tools) and a self-check of the libggml bridge; with --model, "
                     "where that model's files are")
@@ -1840,12 +1843,16 @@ def _doctor(argv):
 
         from .cacheprune import prune_cache
         from .llamacpp import cache_root
-        res = prune_cache(cache_root(), a.prune_cache, dry_run=a.dry_run)
+        days = a.prune_cache + 0.0   # -0 reads as 0
+        if days < 1 and not a.dry_run:
+            print(f"[voodoo] --prune_cache {days:g}: entries used in the last day go too; a "
+                  "run going on now may lose files it still reads", file=sys.stderr)
+        res = prune_cache(cache_root(), days, dry_run=a.dry_run)
         for e in res.removed if a.dry_run else ():
             print(f"  {e.kind:<11} {e.nbytes / 2**20:10.1f} MiB  unused for "
                   f"{(time.time() - e.last_use) / 86400:5.1f} days  {e.paths[0]}")
         print(f"voodoo doctor: {'would delete' if a.dry_run else 'deleted'} from "
-              f"{cache_root()} (unused for {a.prune_cache:g} days): {res.summary()}")
+              f"{cache_root()} (unused for {days:g} days): {res.summary()}")
         return 0
     return doctor.run(model=a.model)
 
@@ -2155,6 +2162,9 @@ def _check_assignment_tensors(path, asg: dict, specs) -> None:
     from .quants import fallback_type, qtype
     for s in specs:
         t = asg["tensors"][s.gguf_name]["type"]
+        if not isinstance(t, str):
+            raise UsageError(f"--assignment {path}: {s.gguf_name} has type {t!r}; give a ggml "
+                             "type name (\"Q4_K\", \"IQ4_XS\", ...)")
         try:
             q = qtype(t)
         except (KeyError, ValueError) as e:
@@ -2309,7 +2319,7 @@ def _export(argv):
                              hessians=getattr(r, "hessians", None),
                              feedback=r.feedback_for(menus))
     stem = (a.output_name.removesuffix(".gguf") if a.output_name else
-            Path(a.assignment).name.removesuffix(".assignment.json"))
+            Path(a.assignment).name.removesuffix(".assignment.json").removesuffix(".json"))
     p = export(r.ctx, asg, keys, r.cache, r.out / f"{stem}.gguf",
                extra_kv=_provenance(a, asg, r.ctx.prepared))
     print(f"wrote {p}")
@@ -2413,7 +2423,11 @@ def _recorded_eval_text(ggufs) -> Path | None:
         p = Path(rec["path"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    return p if p.is_file() else None
+    if not p.is_file():
+        print(f"[voodoo] the text `voodoo run` scored this folder on, {p}, is gone; pass "
+              "--eval_text to score it (or another text) again", file=sys.stderr, flush=True)
+        return None
+    return p
 
 
 def _eval_split_text(a) -> Path:
