@@ -458,6 +458,7 @@ def ensure_hessians(ctx: Context, path, blocks: torch.Tensor | None = None,
     hs = compute_hessians(ctx.model, blocks, names, progress=label)
     first: dict[int, str] = {}  # tensors sharing one input (q/k/v) share one array
     alias = {g: first.setdefault(id(h), g) for g, h in hs.items()}
+
     def save(target: Path) -> None:
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = target.with_name(f".{target.name}.partial-{os.getpid()}.npz")
@@ -468,6 +469,7 @@ def ensure_hessians(ctx: Context, path, blocks: torch.Tensor | None = None,
         except BaseException:   # a full disk, Ctrl-C: no half-written file left behind
             tmp.unlink(missing_ok=True)
             raise
+
     try:
         save(path)
     except OSError:
