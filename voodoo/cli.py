@@ -161,7 +161,7 @@ def _data_flags(ap):
                          "../shared/data/wikitext-2-raw-test.txt is absent)")
 
 
-def _check_cache_paths(a) -> None:
+def _check_folder_paths(a) -> None:
     """A folder Voodoo will create that is a file fails here, naming it: ``--cache_dir`` or
     ``$VOODOO_CACHE`` (it failed after the imatrix and Hessians with "Not a directory", or, for
     ``VOODOO_CACHE``, as a llama.cpp that is not built), ``--data_dir`` and the run folder's
@@ -198,7 +198,7 @@ def _parse_keeping_run_data(ap, argv, adopt=lambda a: True):
     instead of rebuilding the data with the defaults. One line names what was taken."""
     defaults = _run_data_defaults(ap)
     a = ap.parse_args(argv)
-    _check_cache_paths(a)
+    _check_folder_paths(a)
     taken = _data_of_run(a) if adopt(a) else {}
     for k, v in defaults.items():
         if getattr(a, k) is None:
@@ -2865,13 +2865,8 @@ def _flag_value(args: list[str], flag: str) -> str | None:
 def _new_output_dir(args: list[str]) -> Path | None:
     """The ``--output_dir`` this command names, when it does not exist yet: a command that
     fails removes it again if it is still empty (a refused flag leaves no empty run folder)."""
-    for i, x in enumerate(args):
-        v = args[i + 1] if x == "--output_dir" and i + 1 < len(args) else \
-            x.split("=", 1)[1] if x.startswith("--output_dir=") else None
-        if v:
-            p = Path(v)
-            return None if p.exists() else p
-    return None
+    v = _flag_value(args, "--output_dir")
+    return Path(v) if v and not Path(v).exists() else None
 
 
 def _remove_if_empty(d: Path) -> None:

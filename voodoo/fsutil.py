@@ -63,9 +63,14 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
 def file_in_the_way(folder: str | os.PathLike) -> Path | None:
     """The existing file (not folder) at ``folder`` or at one of its parents, which would make
     creating ``folder`` fail with "Not a directory"; None when the path can be a folder."""
-    p = Path(folder).expanduser()
-    q = next((q for q in (p, *p.parents) if q.exists()), None)
+    q = _nearest_existing(folder)
     return q if q is not None and not q.is_dir() else None
+
+
+def _nearest_existing(path: str | os.PathLike) -> Path | None:
+    """``path`` or its nearest parent that exists (None: none does)."""
+    p = Path(path).expanduser()
+    return next((q for q in (p, *p.parents) if q.exists()), None)
 
 
 def is_disk_full(e: BaseException) -> bool:
@@ -84,8 +89,7 @@ def free_mib(folder: str | os.PathLike) -> float | None:
     """MiB free for this user on the file system of ``folder`` (its nearest existing parent);
     None when that cannot be read."""
     import shutil
-    p = Path(folder).expanduser()
-    q = next((q for q in (p, *p.parents) if q.exists()), None)
+    q = _nearest_existing(folder)
     try:
         return shutil.disk_usage(q).free / 2**20 if q is not None else None
     except OSError:
