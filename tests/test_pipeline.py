@@ -108,6 +108,9 @@ def test_run_writes_every_stage(tiny_run):
     assert pre["ok"] and pre["kld_mean"] < 1e-3 and pre["same_top_p"] > 0.99, pre
     rows = json.loads((out / "eval" / "report.json").read_text())
     assert [r["file"] for r in rows] == ["Voodoo"]
+    timing = json.loads((out / "eval" / "timing.json").read_text())
+    assert any(k.startswith("gate training") and v > 0 for k, v in timing["stages"].items())
+    assert isinstance(timing["history"], list), timing
     # report.md says what was measured, and holds the table the run printed
     md = (out / "eval" / "report.md").read_text().splitlines()
     assert md[0].startswith("llama-perplexity -c ") and " on " in md[0] and "KLD vs" in md[0]
@@ -266,6 +269,23 @@ def test_eval_of_a_run_folders_gguf_scores_the_runs_text(tiny_run, monkeypatch):
     kld = float(cols[[c.strip() for c in header.strip("|").split("|")].index("kld")])
     report = json.loads((tiny_run["out"] / "eval" / "report.json").read_text())[0]["kld"]
     assert abs(kld - report) <= 1e-4 + 0.02 * report, (kld, report)
+
+
+def test_a_changed_eval_text_is_named(tmp_path, capsys):
+    """The record of the text `voodoo run` scored holds its sha256: when the file has changed
+    since, eval still scores it but says its numbers will not match the report."""
+    from voodoo.fsutil import sha256_file
+    text = tmp_path / "t.txt"
+    text.write_text("one two three\n")
+    (tmp_path / "eval").mkdir()
+    rec = {"path": str(text), "ctx": 128, "chunks": 2, "sha256": sha256_file(text)}
+    (tmp_path / cli.EVAL_TEXT_RECORD).write_text(json.dumps(rec))
+    gguf = tmp_path / "x.gguf"
+    assert cli._recorded_eval_text([gguf]) == text
+    assert "has changed" not in capsys.readouterr().err
+    text.write_text("one two four\n")
+    assert cli._recorded_eval_text([gguf]) == text
+    assert "has changed since `voodoo run` scored" in capsys.readouterr().err
 
 
 def test_another_budget_in_a_finished_run_folder_fails_first(tiny_run):

@@ -2427,6 +2427,13 @@ def _recorded_eval_text(ggufs) -> Path | None:
         print(f"[voodoo] the text `voodoo run` scored this folder on, {p}, is gone; pass "
               "--eval_text to score it (or another text) again", file=sys.stderr, flush=True)
         return None
+    if rec.get("sha256"):
+        from .fsutil import sha256_file
+        if sha256_file(p) != rec["sha256"]:
+            print(f"[voodoo] warning: {p} has changed since `voodoo run` scored this folder on "
+                  "it (its sha256 differs from eval/eval-text.json), so these numbers will not "
+                  "match eval/report.md; pass --eval_text to choose the text explicitly",
+                  file=sys.stderr, flush=True)
     return p
 
 

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from .pipeline import log, write_json
@@ -80,15 +81,38 @@ def compare_with_stock(r) -> list[dict]:
     print(r.timer.report())
     save_report(rows, out / "eval" / "report.json", cols, title=header)
     from .cli import EVAL_TEXT_RECORD   # `voodoo eval --gguf` of this folder scores it again
+    from .fsutil import sha256_file
     write_json(out / EVAL_TEXT_RECORD, {"path": str(Path(text).resolve()), "ctx": a.ctx,
-                                         "chunks": a.chunks})
+                                         "chunks": a.chunks, "bytes": Path(text).stat().st_size,
+                                         "sha256": sha256_file(text)})
     write_pictures(r, rows, out / "eval", text_name=text.name)
-    write_json(out / "eval" / "timing.json", r.timer.stages)
+    write_json(out / "eval" / "timing.json", timing_history(out / "eval" / "timing.json",
+                                                            r.timer.stages))
     print(f"report: {out / 'eval' / 'report.md'} (and report.json, timing.json)")
     if text.name == "eval-split.txt":
         print("this table scored the calibration corpus's held-out split; --eval_text FILE "
               "(e.g. WikiText-2's test text) scores another text, reusing everything else")
     return rows
+
+
+def timing_history(path: Path, stages: dict[str, float]) -> dict:
+    """``eval/timing.json`` with this run's stage times (seconds) in ``stages`` and every earlier
+    run of the folder kept in ``history`` (oldest first, each ``{"finished", "stages"}``), so a
+    resumed or repeated ``voodoo run`` does not lose the first run's timing. An unreadable or
+    old-format file (a bare ``{stage: seconds}``) becomes the first history entry."""
+    import datetime as _dt
+    history: list = []
+    try:
+        old = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        old = None
+    if isinstance(old, dict) and "stages" in old:
+        history = list(old.get("history") or []) + [
+            {"finished": old.get("finished"), "stages": old["stages"]}]
+    elif isinstance(old, dict) and old:
+        history = [{"finished": None, "stages": old}]
+    now = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+    return {"finished": now, "stages": dict(stages), "history": history}
 
 
 def write_pictures(r, rows, eval_dir, text_name: str | None = None) -> list[Path]:
