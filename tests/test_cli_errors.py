@@ -45,7 +45,7 @@ def test_model_path_missing(tmp_path):
                           "--output_dir", str(out), *SMALL])
     line = error_line(rc, err)
     assert "no-such-model" in line and "no such file or folder" in line
-    assert "HF model folder or a .gguf" in line
+    assert "HF model folder, a .gguf file" in line and "`default`" in line
     assert "load model" not in err, err[-2000:]  # refused before any stage starts
     nothing_written(out)
 

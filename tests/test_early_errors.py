@@ -116,6 +116,8 @@ def test_output_dir_that_is_a_file(tiny_fixed, tmp_path):  # noqa: F811
     (["--target_bits", "20"], ["--target_bits 20: more bits per weight", "give at most 16"]),
     (["--budget_reduction", "1.5"], ["--budget_reduction 1.5:", "[0, 1)"]),
     (["--compression_ratio", "1.7"], ["a budget above the Q8_0 size", "at most 1.0"]),
+    (["--compression_ratio", "55"], ["a budget above the Q8_0 size",
+                                     "--compression_ratio 0.55 for Voodoo55?"]),
 ])
 def test_train_refuses_conflicting_or_missing_inputs_first(tiny_fixed, tmp_path, flags,
                                                            words):  # noqa: F811
@@ -139,3 +141,18 @@ def test_failed_command_keeps_an_output_dir_it_did_not_make(tmp_path):
                               "--output_dir", str(out)])
         assert rc == 2 and "no such file or folder" in err, err[-2000:]
         assert out.exists() == (out.name == "old")
+
+
+def test_a_ratio_just_above_one_gets_no_percent_hint(tiny_fixed, tmp_path):  # noqa: F811
+    """1.5 is no percentage: the message does not suggest --compression_ratio 0.015 (far below
+    any menu's reach), it says how low a budget can go."""
+    rc, _, err = run_cli(["train", "--model", str(tiny_fixed), "--output_dir",
+                          str(tmp_path / "run"), "--compression_ratio", "1.5"])
+    line = error_line(rc, err, "train")
+    assert "at most 1.0" in line and "0.015" not in line and "how low" in line, line
+
+
+def test_a_misspelt_flag_names_the_one_meant():
+    rc, _, err = run_cli(["train", "--compresion_ratio", "0.5"])
+    line = error_line(rc, err, "train")
+    assert "(did you mean --compression_ratio?)" in line, line

@@ -192,6 +192,22 @@ def test_default_model_fetch(tmp_path, monkeypatch):
     assert default_model() == g                                 # cached
 
 
+def test_the_default_model_by_name(monkeypatch, tmp_path):
+    """`--model default` (or the default model's name, any case) is the default model, as the
+    help and README call it; a file or folder of that name in the working directory wins."""
+    import voodoo.models as vm
+    seen = []
+    monkeypatch.setattr(vm, "default_model", lambda: tmp_path / "d.gguf")
+    monkeypatch.setattr(vm, "_prepare_gguf", lambda p, w: seen.append(p) or "prepared")
+    monkeypatch.chdir(tmp_path)
+    for name in ("default", "SmolLM2-135M-Instruct", "smollm2-135m-instruct"):
+        assert prepare_model(name) == "prepared"
+    assert seen == [(tmp_path / "d.gguf").resolve()] * 3
+    (tmp_path / "default").mkdir()   # a local folder of that name: not the alias
+    with pytest.raises(ModelPreparationError, match="no config.json"):
+        prepare_model("default")
+
+
 @pytest.mark.slow
 def test_prepare_real_gguf(smol_gguf, tmp_path):
     p = prepare_model(smol_gguf, work_dir=tmp_path)

@@ -58,7 +58,9 @@ class ArgumentParser(argparse.ArgumentParser):
                 return ([k for k in known if k.startswith(g)][:1]
                         or difflib.get_close_matches(g, known, n=1, cutoff=0.75))
             near = [(g, close(g.split("=", 1)[0])) for g in re.findall(r"--[\w=.-]+", message)]
-            near = [f"{m[0]} for {g.split('=', 1)[0]}" for g, m in near if m]
+            near = [(g.split("=", 1)[0], m[0]) for g, m in near if m]
+            near = ([m for _, m in near] if len(near) == 1
+                    else [f"{m} for {g}" for g, m in near])
             if near:
                 message += f" (did you mean {', '.join(near)}?)"
         self.exit(2, f"{self.prog}: error: {message} ({self.prog} -h lists the flags)\n")
@@ -625,11 +627,12 @@ def _check_inputs_early(a) -> None:
     if ratio is not None and ratio > 1.0:
         if max(quants.qtype(t).bpw for t in named + ["Q8_0"]) <= quants.qtype("Q8_0").bpw:
             hint = f" (--compression_ratio {ratio / 100:g} for Voodoo{ratio:g}?)" \
-                if 1 < ratio <= 100 else ""
+                if 10 <= ratio <= 100 else ""
             raise UsageError(f"--compression_ratio {ratio:g}: a budget above the Q8_0 size, "
                              "and no candidate type is larger than Q8_0; the ratio is a "
                              "fraction of the Q8_0 size (Voodoo55 = 0.55): give one at most 1.0"
-                             + hint)
+                             + hint + " (how low depends on the model's menus: 0.46 for "
+                             "SmolLM2-135M; a budget out of reach is refused with the range)")
     im = getattr(a, "imatrix", None)
     if im and not Path(im).is_file():
         raise UsageError(f"--imatrix {im}: no such file (leave --imatrix out to compute one from "
@@ -975,11 +978,15 @@ def _check_model_early(model_arg: str) -> None:
     naming the problem (ModelPreparationError / UnsupportedArchitecture)."""
     p = Path(os.path.expanduser(str(model_arg)))
     if not p.exists():
-        from .models import _looks_like_hub_id
+        from .models import DEFAULT_MODEL_NAMES, _looks_like_hub_id
+        if str(model_arg).lower() in DEFAULT_MODEL_NAMES:
+            return  # the default model, by name
         if not _looks_like_hub_id(str(model_arg)):
             from .models import ModelPreparationError
             raise ModelPreparationError(f"--model {model_arg}: no such file or folder (expected "
-                                        "an HF model folder or a .gguf file)")
+                                        "an HF model folder, a .gguf file, a hub id in the "
+                                        "local HF cache, or `default` for the default model, "
+                                        "SmolLM2-135M-Instruct Q4_1)")
         return  # a hub id: prepare_model looks in the local HF cache
     if not (p.is_dir() and (p / "config.json").is_file()):
         return  # prepare_model reports .gguf files and non-model folders itself
@@ -1854,6 +1861,8 @@ def _doctor(argv):
         print(f"voodoo doctor: {'would delete' if a.dry_run else 'deleted'} from "
               f"{cache_root()} (unused for {days:g} days): {res.summary()}")
         return 0
+    if a.model:   # a path that does not exist: said now, not after the self-check
+        _check_model_early(a.model)
     return doctor.run(model=a.model)
 
 
@@ -2354,6 +2363,8 @@ def _eval(argv):
         raise UsageError("give --gguf FILE(s) (llama-perplexity) and/or --assignment FILE "
                          "(torch PPL/KL of the baked student)")
     _check_inputs_early(a)
+    for g in a.gguf or []:   # a missing or foreign file: refused before any other line
+        _check_model_gguf(g)
     if a.assignment:
         _assignment_run_folder(a)
     elif a.gguf and not a.output_dir and not a.data_dir:

@@ -79,6 +79,10 @@ DEFAULT_MODEL_WHEEL = {
     "gguf_sha256": "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
 }
 
+#: ``--model`` values (any case) that name the default model when no file or folder has that
+#: name: what a user who read "the default model, SmolLM2-135M-Instruct" would type.
+DEFAULT_MODEL_NAMES = {"default", "smollm2-135m-instruct", "smollm2-135m-instruct.q4_1.gguf"}
+
 _QUANT_SUFFIX = re.compile(
     r"[.\-_](?:I?Q\d[\w]*|F16|F32|BF16|f16|f32|bf16|MXFP4\w*)$", re.IGNORECASE)
 
@@ -128,6 +132,8 @@ def prepare_model(model_arg: str | os.PathLike, work_dir: str | os.PathLike | No
         return _prepare_gguf(p.resolve(), work_dir)
     if p.is_dir():
         return _prepare_hf_dir(p.resolve(), work_dir, converter_args=converter_args)
+    if s.lower() in DEFAULT_MODEL_NAMES:
+        return _prepare_gguf(default_model().resolve(), work_dir)
     if _looks_like_hub_id(s):
         local = _hub_cached(s)
         if local is None:
@@ -138,8 +144,9 @@ def prepare_model(model_arg: str | os.PathLike, work_dir: str | os.PathLike | No
                 "SmolLM2-135M-Instruct from PyPI).")
         return _prepare_hf_dir(local, work_dir, name=s.split("/")[-1],
                                converter_args=converter_args)
-    raise ModelPreparationError(f"{s}: no such file or folder (expected an HF model folder or "
-                                "a .gguf file)")
+    raise ModelPreparationError(f"{s}: no such file or folder (expected an HF model folder, "
+                                "a .gguf file, a hub id in the local HF cache, or `default` "
+                                "for the default model, SmolLM2-135M-Instruct Q4_1)")
 
 
 def _looks_like_hub_id(s: str) -> bool:

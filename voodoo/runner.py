@@ -90,8 +90,10 @@ def compare_with_stock(r) -> list[dict]:
                                                             r.timer.stages))
     print(f"report: {out / 'eval' / 'report.md'} (and report.json, timing.json)")
     if text.name == "eval-split.txt":
-        print("this table scored the calibration corpus's held-out split; --eval_text FILE "
-              "(e.g. WikiText-2's test text) scores another text, reusing everything else")
+        print("this table scored the calibration corpus's held-out split; to score another "
+              "text (e.g. WikiText-2's test text), run the same command again with --eval_text "
+              "FILE added (`bash scripts/main.sh --eval_text FILE` for the main job): it reuses "
+              "the trained gates and redoes only the export and llama-perplexity")
     return rows
 
 
