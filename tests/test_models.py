@@ -89,7 +89,18 @@ def test_converter_refusal_is_explained(tiny_model_dir, tmp_path):
     with pytest.raises(ModelPreparationError) as e:
         prepare_model(d, work_dir=tmp_path / "w")
     assert "FooBarForCausalLM" in str(e.value) and "does not support" in str(e.value)
+    assert "it does register" not in str(e.value)
     assert not list((tmp_path / "w").glob("*.gguf*"))
+
+
+def test_an_architecture_in_another_case_names_the_registered_one():
+    """transformers' ``MptForCausalLM`` is the converter's ``MPTForCausalLM`` (what real MPT
+    checkpoints write): the refusal says which spelling to put in config.json."""
+    from voodoo.models import converter_info
+    with pytest.raises(ModelPreparationError) as e:
+        converter_info({"architectures": ["MptForCausalLM"], "model_type": "mpt"})
+    assert "does not support MptForCausalLM" in str(e.value)
+    assert '"architectures": ["MPTForCausalLM"]' in str(e.value), str(e.value)
 
 
 # ------------------------------------------------------------------------ HF folder
@@ -356,6 +367,25 @@ def test_converter_reason_blames_the_exception_that_ended_it():
     other = ("FileNotFoundError: [Errno 2] No such file or directory: "
              "'/data/tokenizer_runs/model.safetensors'\n")
     assert "tokenizer files" not in _converter_reason(Path("/m"), other)
+
+
+def test_converter_reason_names_the_keys_of_find_hparam_and_rope_parameters():
+    """The converter's other ways to miss a config key: ``find_hparam`` (several spellings:
+    "could not find any of: [...]") and ``self.rope_parameters["x"]``; and two more tokenizer
+    failures (a SentencePiece family without tokenizer.model, a tiktoken one without its
+    vocabulary): each named with the key or files to add, not as a bare failure."""
+    from pathlib import Path
+
+    from voodoo.models import _converter_reason
+    why = _converter_reason(Path("/m"), "KeyError: \"could not find any of: ['rotary_dim']\"\n")
+    assert "one of 'rotary_dim'" in why and 'add "rotary_dim"' in why, why
+    rope = ('    x = self.rope_parameters["original_max_position_embeddings"]\n'
+            "KeyError: 'original_max_position_embeddings'\n")
+    why = _converter_reason(Path("/m"), rope).split("\n")[0]
+    assert 'add "original_max_position_embeddings"' in why and "rope" in why, why
+    for log in ("ValueError: Error: Missing /m/tokenizer.model\n",
+                "AttributeError: 'TikTokenizer' object has no attribute 'mergeable_ranks'\n"):
+        assert "tokenizer files" in _converter_reason(Path("/m"), log), log
 
 
 def test_a_truncated_weight_file_is_named(tiny_model_dir, tmp_path):

@@ -152,6 +152,12 @@ FAMILIES: dict[str, tuple[str, dict, dict]] = {
         model_type="mamba2", hidden_size=128, num_hidden_layers=2, num_heads=8, head_dim=32,
         expand=2, state_size=32, n_groups=1, conv_kernel=4, chunk_size=64,
         tie_word_embeddings=False), {}),
+    # untied head on a tied-by-default family: the converter drops output.weight when it
+    # equals the embedding, so the tensor map's probe checkpoints must keep the two apart
+    "falcon_mamba": ("FalconMambaForCausalLM", dict(
+        model_type="falcon_mamba", hidden_size=128, num_hidden_layers=2, state_size=16,
+        expand=2, conv_kernel=4, time_step_rank=32, use_mambapy=False,
+        tie_word_embeddings=False), {}),
 }
 
 #: Configurations transformers runs but llama.cpp (pinned) computes differently: gemma3 with a

@@ -478,8 +478,29 @@ def converter_info(hf_config: dict, src_dir: str | os.PathLike | None = None,
             f"llama.cpp's converter does not support {info['architecture']}: "
             f"{info['converter']} (llama.cpp {llama_cpp_commit()}) registers no text model "
             "class for it, so llama.cpp cannot run this model and Voodoo cannot quantize it. "
-            "Pass a .gguf of the model made by a llama.cpp that supports it")
+            "Pass a .gguf of the model made by a llama.cpp that supports it"
+            + _near_registered(str(info["architecture"]), src))
     return info
+
+
+def _near_registered(arch: str, src: Path) -> str:
+    """'' or a sentence naming the converter's registered architecture that ``arch`` spells in
+    another case (e.g. transformers' ``MptForCausalLM`` against the converter's
+    ``MPTForCausalLM``, which real checkpoints' config.json use), read from the
+    ``ModelBase.register(...)`` lines of the converter's source."""
+    names: set[str] = set()
+    for f in [src / "convert_hf_to_gguf.py", *sorted((src / "conversion").glob("*.py"))]:
+        try:
+            text = f.read_text(errors="replace")
+        except OSError:
+            continue
+        for call in re.finditer(r"ModelBase\.register\(([^)]*)\)", text):
+            names.update(re.findall(r"[\"']([\w.-]+)[\"']", call.group(1)))
+    near = sorted(n for n in names if n.lower() == arch.lower() and n != arch)
+    if not near:
+        return ""
+    return (f" (it does register {near[0]!r}: if this model is that architecture, write "
+            f'"architectures": ["{near[0]}"] in its config.json)')
 
 
 def _converter_cli_flags(src: Path) -> list[str]:
@@ -661,7 +682,8 @@ def _converter_reason(hf_dir: Path, log: str) -> str:
         why = (f"llama.cpp's converter (pinned commit) does not support {arch}; pass a .gguf "
                "of the model made by a llama.cpp that does")
     elif re.search(r"Cannot find Llama BPE tokenizer|Couldn't instantiate the backend "
-                   r"tokenizer|^FileNotFoundError:.*tokenizer[^/\\]*$", final, re.M):
+                   r"tokenizer|^FileNotFoundError:.*tokenizer[^/\\]*$|Missing \S*tokenizer\.model"
+                   r"|has no attribute '?mergeable_ranks", final, re.M):
         why = ("llama.cpp's converter could not read the tokenizer the way it reads this "
                "family's: copy the model's original tokenizer files beside config.json "
                "(tokenizer.model for SentencePiece families, tokenizer.json and "
@@ -681,6 +703,19 @@ def _converter_reason(hf_dir: Path, log: str) -> str:
                f"config.json has no such key (transformers 5 leaves out some legacy keys when "
                f"it saves a config): add \"{key.group(2)}\" with the model's value to "
                f"{hf_dir / 'config.json'}")
+    elif (any_of := re.match(r"KeyError: (['\"])could not find any of: \[(.+)\]\1$", final)):
+        # the converter's find_hparam: one of several spellings of a config.json key
+        keys = [k.strip(" '\"") for k in any_of.group(2).split(",")]
+        why = (f"llama.cpp's converter reads one of {', '.join(repr(k) for k in keys)} from "
+               "config.json, and this config.json has none of them (transformers 5 leaves out "
+               f"some legacy keys when it saves a config): add \"{keys[0]}\" with the model's "
+               f"value to {hf_dir / 'config.json'}")
+    elif key and (rp := re.search(r"rope_parameters\[(['\"])" + re.escape(key.group(2))
+                                  + r"\1\]", tail)):
+        why = (f"llama.cpp's converter reads {key.group(2)!r} of the rope parameters (the "
+               "config.json keys rope_scaling / rope_parameters), and this config.json has no "
+               f"such entry: add \"{key.group(2)}\" with the model's value to its rope_scaling "
+               f"(or the top level) of {hf_dir / 'config.json'}")
     elif key:
         why = (f"llama.cpp's convert_hf_to_gguf.py failed on a missing key {key.group(2)!r} "
                "(a config.json key, a tensor name or a special token this family's converter "

@@ -130,12 +130,36 @@ def load_context(model_arg, work_dir=None, with_tokenizer: bool = True,
             prepared = prepare_model(model_arg, work_dir)
             check_against_base(tmap, model, base_weights(prepared.base_gguf, names=tmap.names))
             log(f"the new {base.name} agrees with the model: the cached one was damaged")
+        _warn_unmapped(tmap, prepared.base_gguf)
     adapter = _tp_adapter(model, tmap)
     tok = None
     if with_tokenizer:
         from transformers import AutoTokenizer
         tok = AutoTokenizer.from_pretrained(prepared.hf_dir)
     return Context(prepared, tmap, model, tok, adapter)
+
+
+def _warn_unmapped(tmap, base_gguf) -> list[str]:
+    """Names (and says, in one line) the base GGUF's tensors that llama-quantize would quantize
+    but the tensor map does not hold: the export would copy them from the base as they are
+    (F32), outside every menu and budget. Returns their names."""
+    from .ggufio import read_gguf
+    from .tensormap import quantize_rule
+    rule = quantize_rule()
+    known = set(tmap.names) | set(tmap.other)
+    miss = []
+    for t in read_gguf(base_gguf).tensors:
+        shape = tuple(int(x) for x in reversed(list(t.shape)))
+        if t.name not in known and rule.allows(t.name, shape, tmap.arch):
+            miss.append((t.name, int(t.n_bytes)))
+    if miss:
+        log(f"warning: {len(miss)} tensor(s) of {Path(base_gguf).name} that llama-quantize "
+            f"would quantize are not in the tensor map ({', '.join(n for n, _ in miss[:4])}"
+            f"{', ...' if len(miss) > 4 else ''}; {sum(b for _, b in miss) / 2**20:.1f} MiB): "
+            "the export copies them unquantized, outside the budget. The model's converter "
+            "wrote them for the real weights and not for the probe checkpoints; please report "
+            "it with the model's config.json")
+    return [n for n, _ in miss]
 
 
 def _needed_converter_flags(prepared: PreparedModel) -> list[str]:
@@ -707,8 +731,8 @@ def choose_rounding(ctx: Context, menus, imatrix, cache: CandidateCache, hessian
                 won += 1
                 out.setdefault(s.gguf_name, []).append(t)
     log(f"--rounding auto: error-feedback bytes kept for {won} of {total} (tensor, type) "
-        "candidates (smaller output error on held-out calibration blocks), llama-quantize's "
-        "bytes for the rest")
+        "candidates (smaller output error on held-out calibration blocks)"
+        + (", llama-quantize's bytes for the rest" if won < total else ""))
     return out
 
 

@@ -4,7 +4,11 @@ time, for any architecture the pinned converter registers.
 
 How it is derived (:func:`derive_tensor_map`): a copy of the model gets *probe* weights whose
 values encode each element's identity (a global element id, written in base 2**20 digits, one
-digit per pass, plus a pass of ones that reveals scales); ``save_pretrained`` writes them as a
+digit per pass, plus a pass of per-parameter constants that reveals scales; each pass's
+values are multiplied by that parameter's constant, 1..8, different for parameters of the same
+shape, so that no two parameters are ever equal in a pass and a converter that drops a tensor
+equal to another, e.g. an untied head equal to the embedding, keeps it); ``save_pretrained``
+writes them as a
 checkpoint (so transformers' own reverse weight conversion applies, e.g. fused 3-D experts
 back to per-expert tensors), and the converter's model class (``convert_hf_to_gguf.py``, pinned
 source, run in a subprocess with its own ``gguf-py``) transforms them exactly as it transforms
@@ -380,6 +384,21 @@ def _probe_values(offset: int, numel: int, digit: int | None) -> torch.Tensor:
     return (((ids >> (_DIGIT_BITS * digit)) & _MASK) + 1).to(torch.float32)
 
 
+def _probe_multipliers(shapes: list[tuple]) -> list[float]:
+    """Per parameter, a constant in 1..8 that the probe passes multiply its values by: the
+    rank of the parameter among those of the same shape, modulo 8, plus one. Two parameters a
+    converter could compare (same shape, e.g. an untied head and the embedding, which the
+    converter of a tied-by-default family may drop as "tied" when they are equal) are then
+    never equal in the first pass; values stay integers <= 2**23, exact in float32."""
+    seen: dict[tuple, int] = {}
+    out = []
+    for shp in shapes:
+        r = seen.get(tuple(shp), 0)
+        seen[tuple(shp)] = r + 1
+        out.append(float(1 + r % 8))
+    return out
+
+
 def _run_converter(runs: list[tuple[Path, Path]], converter_args, spec_path: Path) -> list[dict]:
     """Runs :mod:`voodoo._converter_probe` once over ``runs`` ([(hf_dir, out_prefix)]) with the
     pinned source's gguf-py; returns each run's metadata."""
@@ -544,12 +563,14 @@ def derive_tensor_map(model: torch.nn.Module, hf_dir: str | os.PathLike,
     try:
         probe = copy.deepcopy(model).float()
         probe_params = dict(probe.named_parameters(remove_duplicate=True))
+        mult = _probe_multipliers(pshapes)
+        mult_arr = np.asarray(mult, np.float64)
         runs = []
         for pi, digit in enumerate([None] + list(range(n_digits))):
             with torch.no_grad():
-                for n, off, sz in zip(pnames, offsets, sizes):
+                for n, off, sz, c in zip(pnames, offsets, sizes, mult):
                     p = probe_params[n]
-                    p.copy_(_probe_values(int(off), int(sz), digit).reshape(p.shape))
+                    p.copy_(_probe_values(int(off), int(sz), digit).mul_(c).reshape(p.shape))
             d = work / f"ckpt{pi}"
             probe.save_pretrained(d, safe_serialization=True)
             # the converter reads the model's own config.json and tokenizer files (which
@@ -565,6 +586,15 @@ def derive_tensor_map(model: torch.nn.Module, hf_dir: str | os.PathLike,
                  f"checkpoints of {total:,} parameters")
         metas = _run_converter(runs, converter_args, work / "spec.json")
         outs_meta = metas[0]
+        names0 = [t["name"] for t in outs_meta["tensors"]]
+        for m in metas[1:]:
+            if [t["name"] for t in m["tensors"]] != names0:
+                diff = sorted(set(names0) ^ {t["name"] for t in m["tensors"]})
+                raise TensorMapError(
+                    "llama.cpp's converter wrote different tensors for probe checkpoints that "
+                    f"differ only in their values ({', '.join(diff[:6]) or 'their order'}): it "
+                    "decides what to write from the weights' values, which the tensor map "
+                    "cannot follow")
         outs: list[dict[str, np.ndarray]] = []
         for (_, prefix), meta in zip(runs, metas):
             with np.load(str(prefix) + ".npz") as z:
@@ -579,6 +609,8 @@ def derive_tensor_map(model: torch.nn.Module, hf_dir: str | os.PathLike,
                 continue
             arrs = [o[name] for o in outs]
             ids, s = _decode(arrs)
+            ok = ids >= 0   # the first pass's values carry the parameter's multiplier
+            s[ok] /= mult_arr[np.searchsorted(offsets, ids[ok], side="right") - 1]
             c = shape[-1]
             links = _links_for(name, ids.reshape(-1, c), s.reshape(-1, c), offsets, pnames,
                                pshapes)
