@@ -586,13 +586,18 @@ def derive_tensor_map(model: torch.nn.Module, hf_dir: str | os.PathLike,
                  f"checkpoints of {total:,} parameters")
         metas = _run_converter(runs, converter_args, work / "spec.json")
         outs_meta = metas[0]
-        names0 = [t["name"] for t in outs_meta["tensors"]]
+        rule = quantize_rule()
+
+        def selectable(meta):
+            return {t["name"] for t in meta["tensors"]
+                    if rule.allows(t["name"], tuple(t["shape"]), meta["arch"])}
+        names0 = selectable(outs_meta)
         for m in metas[1:]:
-            if [t["name"] for t in m["tensors"]] != names0:
-                diff = sorted(set(names0) ^ {t["name"] for t in m["tensors"]})
+            if selectable(m) != names0:
+                diff = sorted(names0 ^ selectable(m))
                 raise TensorMapError(
                     "llama.cpp's converter wrote different tensors for probe checkpoints that "
-                    f"differ only in their values ({', '.join(diff[:6]) or 'their order'}): it "
+                    f"differ only in their values ({', '.join(diff[:6])}): it "
                     "decides what to write from the weights' values, which the tensor map "
                     "cannot follow")
         outs: list[dict[str, np.ndarray]] = []
@@ -600,7 +605,6 @@ def derive_tensor_map(model: torch.nn.Module, hf_dir: str | os.PathLike,
             with np.load(str(prefix) + ".npz") as z:
                 outs.append({t["name"]: z[f"t{i}"] for i, t in enumerate(meta["tensors"])})
         del probe
-        rule = quantize_rule()
         entries, other = [], []
         for t in outs_meta["tensors"]:
             name, shape = t["name"], tuple(t["shape"])
