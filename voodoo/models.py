@@ -399,11 +399,13 @@ from pathlib import Path
 src = sys.argv[1]
 sys.path.insert(0, src)
 sys.path.insert(1, str(Path(src) / "gguf-py"))
-from conversion import ModelType, get_model_architecture, get_model_class
+from conversion import TEXT_MODEL_MAP, ModelType, get_model_architecture, get_model_class
 for hparams in json.loads(sys.stdin.read()):
     arch = get_model_architecture(hparams, ModelType.TEXT)
     out = {"architecture": arch, "supported": False, "mmproj": False, "model_class": None,
-           "supports_mtp_export": False}
+           "supports_mtp_export": False,
+           "other_case": sorted(n for n in TEXT_MODEL_MAP
+                                if n.lower() == str(arch).lower() and n != arch)}
     try:
         cls = get_model_class(arch)
         out.update(supported=True, model_class=cls.__name__,
@@ -463,7 +465,9 @@ def converter_info(hf_config: dict, src_dir: str | os.PathLike | None = None,
     architecture of a wrapper), "supported": a TEXT model class is registered for it,
     "model_class": its name or None, "supports_mtp_export": the class honours --no-mtp,
     "mmproj": a vision/audio (MMPROJ) class is registered too (a multimodal checkpoint),
-    "converter": path of convert_hf_to_gguf.py, "flags": the converter's command-line flags}``.
+    "other_case": registered architectures that spell it in another case (e.g. MPTForCausalLM
+    for MptForCausalLM), "converter": path of convert_hf_to_gguf.py, "flags": the converter's
+    command-line flags}``.
 
     Raises:
         ModelPreparationError: the converter does not know the architecture (the message names
@@ -479,28 +483,10 @@ def converter_info(hf_config: dict, src_dir: str | os.PathLike | None = None,
             f"{info['converter']} (llama.cpp {llama_cpp_commit()}) registers no text model "
             "class for it, so llama.cpp cannot run this model and Voodoo cannot quantize it. "
             "Pass a .gguf of the model made by a llama.cpp that supports it"
-            + _near_registered(str(info["architecture"]), src))
+            + (f" (it does register {info['other_case'][0]!r}: if this model is that "
+               f"architecture, write \"architectures\": [\"{info['other_case'][0]}\"] in its "
+               "config.json)" if info.get("other_case") else ""))
     return info
-
-
-def _near_registered(arch: str, src: Path) -> str:
-    """'' or a sentence naming the converter's registered architecture that ``arch`` spells in
-    another case (e.g. transformers' ``MptForCausalLM`` against the converter's
-    ``MPTForCausalLM``, which real checkpoints' config.json use), read from the
-    ``ModelBase.register(...)`` lines of the converter's source."""
-    names: set[str] = set()
-    for f in [src / "convert_hf_to_gguf.py", *sorted((src / "conversion").glob("*.py"))]:
-        try:
-            text = f.read_text(errors="replace")
-        except OSError:
-            continue
-        for call in re.finditer(r"ModelBase\.register\(([^)]*)\)", text):
-            names.update(re.findall(r"[\"']([\w.-]+)[\"']", call.group(1)))
-    near = sorted(n for n in names if n.lower() == arch.lower() and n != arch)
-    if not near:
-        return ""
-    return (f" (it does register {near[0]!r}: if this model is that architecture, write "
-            f'"architectures": ["{near[0]}"] in its config.json)')
 
 
 def _converter_cli_flags(src: Path) -> list[str]:
