@@ -263,3 +263,68 @@ def test_rounding_choice_shows_progress_and_keeps_what_it_scored(tiny_fixed, tmp
                   r"rounding.json; scoring the other (\d+)", err)  # the head's pairs too
     assert m and int(m.group(1)) >= n_kept and int(m.group(2)) >= n_pairs - n_kept, err[-3000:]
     assert json.loads((part / "rounding.json").read_text())["tensors"] == table
+
+
+def test_fit_logit_map_recovers_scale_and_softcap():
+    """:func:`voodoo.rounding.fit_logit_map` finds the identity, a final scale (a
+    ``logit_scale``) and a final softcap with a scale to 1e-3, and refuses a bias (not an
+    elementwise map of the head's output)."""
+    from voodoo.rounding import fit_logit_map
+    rng = np.random.default_rng(0)
+    z = (8 * rng.standard_normal((64, 500))).astype(np.float32)
+    assert fit_logit_map(z, z).identity
+    m = fit_logit_map(z, 0.0625 * z)
+    assert m.softcap is None and m.scale == pytest.approx(0.0625, rel=1e-3)
+    m = fit_logit_map(z, 30 * np.tanh(z / 30))
+    assert m.softcap == pytest.approx(30, rel=1e-3) and m.scale == pytest.approx(1, rel=1e-3)
+    m = fit_logit_map(z, 5 * np.tanh(0.5 * z / 5))
+    assert m.softcap == pytest.approx(5, rel=1e-3) and m.scale == pytest.approx(0.5, rel=1e-3)
+    assert fit_logit_map(z, z + 0.3) is None
+
+
+def test_logit_kl_through_a_softcap():
+    """With a final softcap, :func:`voodoo.rounding.logit_kl` given the map is the exact KL
+    of the capped logits to second order (within 3%), and without it is off by more than
+    10% (the cap flattens the softmax and shrinks the error of large logits)."""
+    import torch
+
+    from voodoo.rounding import LogitMap, logit_kl
+    rng = np.random.default_rng(2)
+    w = (3 * rng.standard_normal((300, 48))).astype(np.float32)
+    x = rng.standard_normal((200, 48)).astype(np.float32)
+    deq = (w + 0.05 * rng.standard_normal(w.shape)).astype(np.float32)
+    cap = 8.0
+
+    def capped(a):
+        return cap * torch.tanh(torch.from_numpy(a).double() / cap)
+    lp = torch.log_softmax(capped(x @ w.T), -1)
+    lq = torch.log_softmax(capped(x @ deq.T), -1)
+    exact = float((lp.exp() * (lp - lq)).sum(-1).mean())
+    got = logit_kl(w, deq, x, chunk=64, logit_map=LogitMap(softcap=cap))
+    plain = logit_kl(w, deq, x, chunk=64)
+    assert exact > 0 and abs(got / exact - 1) < 0.03, (got, exact)
+    assert abs(plain / exact - 1) > 0.10, (plain, exact)
+
+
+def test_head_inputs_measures_the_models_softcap():
+    """:func:`voodoo.pipeline.head_inputs` with ``logit_map=True`` reads the final softcap
+    off a model's forward (a tiny random Gemma 2 with ``final_logit_softcapping=2``, logits
+    large enough to bend): no config field is read."""
+    import types
+
+    import torch
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    from voodoo.pipeline import head_inputs
+    torch.manual_seed(0)
+    cfg = Gemma2Config(vocab_size=300, hidden_size=64, intermediate_size=128,
+                       num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                       head_dim=32, final_logit_softcapping=2.0, attn_logit_softcapping=None)
+    model = Gemma2ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(50)
+    blocks = torch.randint(0, 300, (2, 16))
+    x, m = head_inputs(types.SimpleNamespace(model=model), blocks, max_tokens=32,
+                       logit_map=True)
+    assert x.shape == (32, 64)
+    assert m is not None and m.softcap == pytest.approx(2.0, rel=1e-2), m

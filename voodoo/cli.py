@@ -1346,7 +1346,8 @@ class Run:
                 precache=_precache_fn(self.a), path=self.out / "rounding.json",
                 heldout_id=json.dumps(inputs, sort_keys=True),
                 head=(head_tensor(self.ctx),
-                      lambda: head_inputs(self.ctx, held, max_tokens=inputs["head_tokens"])))
+                      lambda: head_inputs(self.ctx, held, max_tokens=inputs["head_tokens"],
+                                          logit_map=True)))
         return self.feedback
 
     def input_hessians(self):

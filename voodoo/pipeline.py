@@ -597,26 +597,54 @@ def head_tensor(ctx: Context) -> str | None:
 
 
 @torch.no_grad()
-def head_inputs(ctx: Context, blocks: torch.Tensor, max_tokens: int = 4096) -> np.ndarray:
+def head_inputs(ctx: Context, blocks: torch.Tensor, max_tokens: int = 4096,
+                logit_map: bool = False):
     """The inputs of ``ctx.model``'s output head (the final hidden states) over ``blocks``
-    (LongTensor (n, seq_len); at most ``max_tokens`` tokens): float32 (n_tokens, hidden)."""
+    (LongTensor (n, seq_len); at most ``max_tokens`` tokens): float32 (n_tokens, hidden).
+
+    With ``logit_map``: ``(x, m)``, ``m`` the elementwise map from the head's output to the
+    model's logits (:func:`voodoo.rounding.fit_logit_map` on the first block's tokens: a final
+    scale or softcap, whatever the model's forward does after the head), or None, with a line,
+    when the logits are no such map of it."""
+    from .rounding import fit_logit_map
     head = ctx.model.get_output_embeddings()
     xs: list[torch.Tensor] = []
+    zs: list[torch.Tensor] = []
 
     def hook(_mod, args):
         xs.append(args[0].detach().reshape(-1, args[0].shape[-1]).float().cpu())
+
+    def out_hook(_mod, _args, out):
+        if logit_map and not zs:
+            zs.append(out.detach().reshape(-1, out.shape[-1]).float().cpu())
     handle = head.register_forward_pre_hook(hook)
+    handle_out = head.register_forward_hook(out_hook)
     dev = next(ctx.model.parameters()).device
+    fmap, fitted = None, False
     try:
         n = 0
         for i in range(len(blocks)):
             if n >= max_tokens:
                 break
-            ctx.model(input_ids=blocks[i: i + 1].to(dev), use_cache=False)
+            out = ctx.model(input_ids=blocks[i: i + 1].to(dev), use_cache=False)
+            if logit_map and not fitted and zs:
+                fitted = True
+                lg = getattr(out, "logits", None)
+                z = zs[0]
+                if lg is not None and tuple(lg.reshape(-1, lg.shape[-1]).shape) == tuple(z.shape):
+                    lg = lg.detach().reshape(-1, lg.shape[-1]).float().cpu()
+                    rows = torch.arange(0, z.shape[0], max(1, z.shape[0] // 16))
+                    fmap = fit_logit_map(z[rows].numpy(), lg[rows].numpy())
+                if fmap is None:
+                    log("rounding choice: the model's logits are not a scale or softcap of "
+                        "its head's output; the head's KL is scored on the head's output")
+                zs.clear()
             n += int(blocks.shape[1])
     finally:
         handle.remove()
-    return torch.cat(xs)[:max_tokens].numpy()
+        handle_out.remove()
+    x = torch.cat(xs)[:max_tokens].numpy()
+    return (x, fmap) if logit_map else x
 
 
 def choose_rounding(ctx: Context, menus, imatrix, cache: CandidateCache, hessians, heldout,
@@ -634,8 +662,9 @@ def choose_rounding(ctx: Context, menus, imatrix, cache: CandidateCache, hessian
     block-size-1 types keep llama-quantize's bytes.
 
     ``head``: ``(gguf_name, x)`` of the output head (:func:`head_tensor`) and its held-out
-    inputs (float32 (n_tokens, n_per_row), :func:`head_inputs`; or a function returning them,
-    called only when a head candidate needs scoring): that tensor is scored by the logits' KL
+    inputs (float32 (n_tokens, n_per_row), :func:`head_inputs`, or ``(x, logit_map)``; or a
+    function returning either, called only when a head candidate needs scoring): that tensor
+    is scored by the logits' KL
     (:func:`voodoo.rounding.logit_kl`) instead, since the plain proxy weighs every vocabulary
     row alike (SmolLM2's tied Q8_0-born embedding at Q5_1: the plain held-out proxy 47.9 vs
     48.5 calls the two roundings even, while the error-feedback bytes cut the model's real KL
@@ -706,7 +735,8 @@ def choose_rounding(ctx: Context, menus, imatrix, cache: CandidateCache, hessian
             if kind == "logit_kl":
                 if callable(head_x):
                     head_x = head_x()
-                eg, ef = logit_kl(w, [dg, df], head_x)
+                hx, hmap = head_x if isinstance(head_x, tuple) else (head_x, None)
+                eg, ef = logit_kl(w, [dg, df], hx, logit_map=hmap)
             else:
                 eg, ef = proxy_error(w, dg, heldout[n]), proxy_error(w, df, heldout[n])
             table.setdefault(n, {})[t] = {"ggml": eg, "feedback": ef, "proxy": kind,

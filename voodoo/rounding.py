@@ -34,7 +34,7 @@ import numpy as np
 
 __all__ = ["inverse_hessian_cholesky", "gptq_blocks", "gptq_columns", "grid_scales",
            "quantize_feedback",
-           "proxy_error", "logit_kl", "validate_rows", "refine_columns", "COLUMN_TYPES",
+           "proxy_error", "logit_kl", "LogitMap", "fit_logit_map", "validate_rows", "refine_columns", "COLUMN_TYPES",
            "GRID_TYPES", "REFINE_TYPES"]
 
 #: kvalues_iq4nl (ggml-common.h)
@@ -648,11 +648,94 @@ def proxy_error(w: np.ndarray, deq: np.ndarray, h: np.ndarray) -> float:
     return float(np.einsum("ij,ij->", e @ np.asarray(h, dtype=np.float64), e))
 
 
-def logit_kl(w: np.ndarray, deq, x: np.ndarray, chunk: int = 512):
+class LogitMap:
+    """The elementwise map from an output head's matmul ``z = x w^T`` to the model's logits:
+    ``L = scale * z``, or with a final softcap ``L = softcap * tanh(scale * z / softcap)``
+    (Gemma 2's ``final_logit_softcapping``, a ``logit_scale`` or ``logits_scaling``: whatever
+    the model's forward does, measured by :func:`fit_logit_map`, not read from a config).
+
+    ``scale``: float; ``softcap``: float or None. Calling it on a float tensor ``z`` returns
+    ``(L, dL/dz)``, both shaped like ``z``."""
+
+    def __init__(self, scale: float = 1.0, softcap: float | None = None):
+        self.scale, self.softcap = float(scale), (None if softcap is None else float(softcap))
+
+    def __call__(self, z):
+        import torch
+        if self.softcap is None:
+            return z * self.scale, torch.full_like(z, self.scale)
+        t = torch.tanh(z * (self.scale / self.softcap))
+        return self.softcap * t, self.scale * (1 - t * t)
+
+    @property
+    def identity(self) -> bool:
+        return self.softcap is None and self.scale == 1.0
+
+    def to_dict(self) -> dict:
+        return {"scale": self.scale, "softcap": self.softcap}
+
+    def __repr__(self):
+        return f"LogitMap(scale={self.scale:g}, softcap={self.softcap})"
+
+
+def fit_logit_map(z, logits, tol: float = 1e-3) -> LogitMap | None:
+    """Which :class:`LogitMap` turns a head's matmul outputs into the model's logits.
+
+    Args: ``z``, ``logits``: float arrays or tensors of the same shape (any, e.g. (n_tokens,
+    n_vocab)): the head module's output and the model's logits for the same tokens. Returns
+    the identity, a scale (least squares), or a scale and softcap (a search over the cap in
+    log space, the scale by least squares on ``softcap * atanh(L / softcap)`` over the logits
+    below 0.9 of the cap), the first whose
+    largest residual is within ``tol`` of ``max |L|``; None when none fits (a bias, a
+    non-elementwise step: :func:`logit_kl` then models the logits as the matmul's)."""
+    z = np.asarray(z, dtype=np.float64).reshape(-1)
+    L = np.asarray(logits, dtype=np.float64).reshape(-1)
+    if z.shape != L.shape or z.size == 0:
+        raise ValueError(f"fit_logit_map: z and logits differ in shape ({z.shape}, {L.shape})")
+    top = float(np.abs(L).max())
+    if top == 0.0:
+        return None
+    zz = float(z @ z)
+    if zz == 0.0:
+        return None
+
+    def ok(pred):
+        return float(np.abs(pred - L).max()) <= tol * top
+    if ok(z):
+        return LogitMap()
+    s = float(z @ L) / zz
+    if ok(s * z):
+        return LogitMap(scale=s)
+    def fit(lc):
+        c = float(np.exp(lc))
+        k = np.abs(L) < 0.9 * c  # saturated logits say nothing of the scale
+        if k.sum() < 2 or float(z[k] @ z[k]) == 0.0:
+            return np.inf, c, 1.0
+        s = float(z[k] @ (c * np.arctanh(L[k] / c))) / float(z[k] @ z[k])  # s*z for the cap
+        return float(np.abs(c * np.tanh(s * z / c) - L).max()), c, s
+    grid = np.log(np.geomspace(top * (1 + 1e-6), top * 1e3, 200))
+    errs = [fit(lc)[0] for lc in grid]
+    i = int(np.argmin(errs))
+    lo, hi = grid[max(0, i - 1)], grid[min(len(grid) - 1, i + 1)]
+    for _ in range(60):  # golden-section refinement of log(cap) around the grid's best
+        a, b = lo + 0.382 * (hi - lo), lo + 0.618 * (hi - lo)
+        if fit(a)[0] < fit(b)[0]:
+            hi = b
+        else:
+            lo = a
+    err, c, s = fit(0.5 * (lo + hi))
+    if err <= tol * top:
+        return LogitMap(scale=s, softcap=c)
+    return None
+
+
+def logit_kl(w: np.ndarray, deq, x: np.ndarray, chunk: int = 512,
+             logit_map: LogitMap | None = None):
     """The second-order KL (nats/token) of an output head's error alone: the mean over tokens of
-    ``1/2 * (sum_v p_v e_v^2 - (sum_v p_v e_v)^2)``, with logits ``z = x w^T``, ``p`` their
-    softmax and ``e = x deq^T - z`` the logit error (the softmax's Fisher, exact to second order
-    in ``e``; a final logit softcap or scale is not modelled).
+    ``1/2 * (sum_v p_v e_v^2 - (sum_v p_v e_v)^2)``, with logits ``L = f(z)``, ``z = x w^T``,
+    ``p`` their softmax and ``e = f'(z) * (x deq^T - z)`` the logit error (the softmax's
+    Fisher, exact to second order in the error). ``f`` is ``logit_map`` (a final scale or
+    softcap, :func:`fit_logit_map`; None: the identity).
 
     Args: ``w``: (n_vocab, n_per_row) float32, the head's weights; ``deq``: a candidate's
     dequantized weights of the same shape, or a list of them (scored in one pass over the
@@ -666,6 +749,7 @@ def logit_kl(w: np.ndarray, deq, x: np.ndarray, chunk: int = 512):
     import torch
     one = not isinstance(deq, (list, tuple))
     deqs = [deq] if one else list(deq)
+    fmap = None if logit_map is None or logit_map.identity else logit_map
 
     def t(a):
         a = np.asarray(a, dtype=np.float32)
@@ -678,9 +762,15 @@ def logit_kl(w: np.ndarray, deq, x: np.ndarray, chunk: int = 512):
     for i in range(0, xt.shape[0], chunk):
         xb = xt[i:i + chunk]
         z = xb @ wt.T
-        p = torch.softmax(z, dim=-1)
+        if fmap is None:
+            p, g = torch.softmax(z, dim=-1), None
+        else:
+            lg, g = fmap(z)
+            p = torch.softmax(lg, dim=-1)
         for k, dt in enumerate(dts):
             e = xb @ dt.T - z
+            if g is not None:
+                e = e * g
             pe = (p * e).sum(-1, dtype=torch.float64)
             totals[k] += float((0.5 * ((p * e * e).sum(-1, dtype=torch.float64) - pe * pe)).sum())
     out = [v / max(1, xt.shape[0]) for v in totals]
