@@ -7,6 +7,10 @@ import os
 import shutil
 from pathlib import Path
 
+# as `import voodoo` does (voodoo/__init__.py), before any test module imports torch: OpenMP
+# threads that spin while waiting slow torch 2-3x on a shared machine (benchmarks/omp_wait.py)
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
