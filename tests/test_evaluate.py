@@ -196,6 +196,43 @@ def test_real_perplexity_and_kld(smol_gguf, wikitext_test, tmp_path, monkeypatch
     assert base["cached"] and base["path"] == k["kl_base"]
     same = ve.run_perplexity(smol_gguf, text, ctx=128, kl_base=base["path"], batch=128)
     assert abs(same["kld"]) < 1e-4 and same["same_top_p"] == 1.0
+    # a damaged cached .kld (bytes zeroed, same size) is made again, not scored against
+    raw = bytearray(Path(base["path"]).read_bytes())
+    raw[len(raw) // 2: len(raw) // 2 + 4096] = bytes(4096)
+    Path(base["path"]).write_bytes(bytes(raw))
+    k2 = ve.run_perplexity(cand, text, ctx=128, chunks=2, kl_base=smol_gguf, batch=128)
+    assert k2["kld"] == pytest.approx(k["kld"], rel=1e-6)
+
+
+def test_cached_base_logits_are_checked(tmp_path):
+    """:func:`voodoo.evaluate._cached_kld_info`: an intact cached pair is reused; a ``.kld``
+    with bytes changed (same size), a truncated one, or an unreadable ``.json`` record is
+    removed (None: made again); an entry from before the records gets them."""
+    import json
+
+    from voodoo.evaluate import _cached_kld_info
+
+    def entry(name, info=True):
+        k, j = tmp_path / f"{name}.kld", tmp_path / f"{name}.json"
+        k.write_bytes(bytes(range(256)) * 64)
+        j.write_text(json.dumps({"ppl": 3.0}))
+        return k, j
+    k, j = entry("old")
+    assert _cached_kld_info(k, j)["ppl"] == 3.0
+    rec = json.loads(j.read_text())
+    assert rec["kld_bytes"] == 16384 and len(rec["kld_sha256"]) == 64
+    assert _cached_kld_info(k, j)["ppl"] == 3.0  # intact: reused
+    raw = bytearray(k.read_bytes())
+    raw[100:200] = bytes(100)
+    k.write_bytes(bytes(raw))
+    assert _cached_kld_info(k, j) is None and not k.exists() and not j.exists()
+    k, j = entry("trunc")
+    _cached_kld_info(k, j)
+    k.write_bytes(k.read_bytes()[:1000])
+    assert _cached_kld_info(k, j) is None and not k.exists()
+    k, j = entry("json")
+    j.write_text('{"ppl": 3.0, "ctx')
+    assert _cached_kld_info(k, j) is None and not k.exists() and not j.exists()
 
 
 def test_short_text_refusal_is_one_clear_line(tmp_path):

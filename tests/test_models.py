@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import json
 
 import numpy as np
@@ -192,6 +194,21 @@ def test_prepare_gguf_input(tiny_quant_gguf, tmp_path):
     # cached: a second call does not rewrite
     m1 = p.base_gguf.stat().st_mtime_ns
     assert prepare_model(tiny_quant_gguf, work_dir=tmp_path).base_gguf.stat().st_mtime_ns == m1
+    # a cached base changed in place (one low mantissa byte of the last tensor: a change no
+    # tolerance would see) is converted again, not hashed into a new identity; a merely
+    # touched one is kept
+    good = sha256_file(p.base_gguf)
+    os.utime(p.base_gguf, ns=(m1 + 10**9, m1 + 10**9))
+    assert prepare_model(tiny_quant_gguf, work_dir=tmp_path).base_gguf.stat().st_mtime_ns \
+        == m1 + 10**9
+    raw = bytearray(p.base_gguf.read_bytes())
+    raw[-4] ^= 0x01
+    p.base_gguf.write_bytes(bytes(raw))
+    assert sha256_file(p.base_gguf) != good
+    again = prepare_model(tiny_quant_gguf, work_dir=tmp_path)
+    assert sha256_file(again.base_gguf) == good
+    from voodoo.provenance import file_sha256
+    assert file_sha256(again.base_gguf) == good
 
 
 @pytest.mark.slow

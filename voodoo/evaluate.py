@@ -174,6 +174,11 @@ def _tail(text: str, n: int = 25) -> str:
 _HASHES: dict[tuple, str] = {}
 
 
+def _log(msg: str) -> None:
+    import sys
+    print(f"[voodoo] {msg}", file=sys.stderr, flush=True)
+
+
 def _sha256_file(path: Path) -> str:
     st = path.stat()
     key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
@@ -316,8 +321,9 @@ def kld_base(reference_gguf: str | os.PathLike, text_file: str | os.PathLike, ct
     d.mkdir(parents=True, exist_ok=True)
     kld_path, info_path = d / f"{key}.kld", d / f"{key}.json"
     if kld_path.is_file() and info_path.is_file():
-        info = json.loads(info_path.read_text())
-        return {**info, "path": str(kld_path), "cached": True}
+        info = _cached_kld_info(kld_path, info_path)
+        if info is not None:
+            return {**info, "path": str(kld_path), "cached": True}
     exe = str(tool_path("llama-perplexity"))
     fd, tmp = tempfile.mkstemp(prefix=f"{key}.", suffix=".kld.partial", dir=d)
     os.close(fd)
@@ -336,9 +342,43 @@ def kld_base(reference_gguf: str | os.PathLike, text_file: str | os.PathLike, ct
     finally:
         Path(tmp).unlink(missing_ok=True)
     info = {"ppl": res["ppl"], "ppl_err": res.get("ppl_err"), "n_chunks": res.get("n_chunks"),
-            "ctx": ctx, "reference": str(ref), "text": str(text), "key": json.loads(key_src)}
+            "ctx": ctx, "reference": str(ref), "text": str(text), "key": json.loads(key_src),
+            "kld_bytes": kld_path.stat().st_size, "kld_sha256": _sha256_file(kld_path)}
     _write_atomic(info_path, json.dumps(info, indent=1) + "\n")
     return {**info, "path": str(kld_path), "cached": False}
+
+
+def _cached_kld_info(kld_path: Path, info_path: Path) -> dict | None:
+    """The record of a cached base-logits file when the pair is intact: the ``.json`` parses
+    and the ``.kld`` has the size and sha256 it was written with (hashed once per process and
+    file version). A damaged pair is removed, with a line, and None returned so it is made
+    again; an entry from before these records gets them now."""
+    why = None
+    try:
+        info = json.loads(info_path.read_text())
+        if not isinstance(info, dict) or "ppl" not in info:
+            raise ValueError("no ppl")
+    except (OSError, ValueError) as e:
+        info, why = None, f"its record {info_path.name} is unreadable ({e})"
+    if info is not None:
+        size = kld_path.stat().st_size
+        if "kld_bytes" not in info or "kld_sha256" not in info:
+            info.update(kld_bytes=size, kld_sha256=_sha256_file(kld_path))
+            try:
+                _write_atomic(info_path, json.dumps(info, indent=1) + "\n")
+            except OSError:
+                pass
+        elif size != info["kld_bytes"]:
+            why = f"it has {size} bytes, {info['kld_bytes']} when written"
+        elif _sha256_file(kld_path) != info["kld_sha256"]:
+            why = "its sha256 differs from the one recorded when it was written"
+    if why is None:
+        return info
+    _log(f"the cached base logits {kld_path} are damaged ({why}): removing them and running "
+         "the reference again")
+    for q in (kld_path, info_path):
+        q.unlink(missing_ok=True)
+    return None
 
 
 def run_perplexity(gguf: str | os.PathLike, text_file: str | os.PathLike, ctx: int = 512,

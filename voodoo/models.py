@@ -211,6 +211,45 @@ def _drop_stale_entries(root: Path, src: str, keep: str) -> None:
             shutil.rmtree(e, ignore_errors=True)
 
 
+#: Beside a cached base F32 GGUF: its size and sha256 as written (never rewritten), so a file
+#: changed since is told apart from one merely touched (``provenance.file_sha256``'s side file
+#: follows the current bytes).
+WRITTEN_SUFFIX = ".written.sha256"
+
+
+def _record_written(base: Path) -> None:
+    from .fsutil import atomic_write_text
+    from .provenance import file_sha256
+    atomic_write_text(base.with_name(base.name + WRITTEN_SUFFIX),
+                      f"{base.stat().st_size} {file_sha256(base)}\n")
+
+
+def _base_intact(base: Path) -> bool:
+    """Whether a cached base F32 GGUF still holds the bytes it was written with (size, then
+    sha256 against its ``.written.sha256`` record; a file from before these records gets one
+    now). A damaged one is removed, with a line, so the caller converts it again."""
+    from .provenance import file_sha256
+    rec = base.with_name(base.name + WRITTEN_SUFFIX)
+    try:
+        size, digest = rec.read_text().split()
+        size = int(size)
+    except (OSError, ValueError):
+        try:
+            _record_written(base)
+        except OSError:
+            pass
+        return True
+    st = base.stat()
+    if st.st_size == size and file_sha256(base) == digest:
+        return True
+    _log(f"{base} has changed since it was written (sha256 {digest[:12]}…, now "
+         f"{'a different size' if st.st_size != size else file_sha256(base)[:12] + '…'}): "
+         "removing it and converting the model again")
+    for q in (base, rec, base.with_name(base.name + ".sha256")):
+        q.unlink(missing_ok=True)
+    return False
+
+
 # ----------------------------------------------------------------------------- GGUF input
 def _prepare_gguf(path: Path, work_dir) -> PreparedModel:
     from .ggufio import read_gguf
@@ -225,9 +264,10 @@ def _prepare_gguf(path: Path, work_dir) -> PreparedModel:
         _gguf_to_hf(path, hf_dir, arch)
     _check_causal_lm(hf_dir)
     base = d / "base-f32.gguf"
-    if not base.is_file():
+    if not base.is_file() or not _base_intact(base):
         _log(f"writing the base F32 GGUF {base}")
         gguf_to_f32(path, base)
+        _record_written(base)
     return PreparedModel(hf_dir, base, path, model_name_from_path(path), "gguf")
 
 
@@ -387,8 +427,9 @@ def _prepare_hf_dir(d: Path, work_dir, name: str | None = None,
         key = hashlib.sha256(f"{key}\0{json.dumps(flags)}".encode()).hexdigest()[:16]
     out = _cache_dir(key, work_dir, source=d)
     base = out / "base-f32.gguf"
-    if not base.is_file():
+    if not base.is_file() or not _base_intact(base):
         convert_hf_to_f32_gguf(d, base, extra_args=flags)
+        _record_written(base)
     return PreparedModel(d, base, base, name or model_name_from_path(d), "hf", tuple(flags))
 
 
