@@ -80,6 +80,13 @@ def test_hub_id_gives_clear_offline_error(tmp_path, monkeypatch):
         prepare_model("HuggingFaceTB/SmolLM2-135M-Instruct")
     msg = str(e.value)
     assert "local folder" in msg and ".gguf" in msg and "does not download" in msg
+    # the same shape of name whose first part is a folder here is a path with a typo
+    (tmp_path / "models" / "tiny-llama").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ModelPreparationError,
+                       match=r"models/tiny-lama: no such file or folder .*models/ holds "
+                             r"tiny-llama"):
+        prepare_model("models/tiny-lama")
 
 
 def test_converter_refusal_is_explained(tiny_model_dir, tmp_path):

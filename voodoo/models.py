@@ -137,9 +137,21 @@ def prepare_model(model_arg: str | os.PathLike, work_dir: str | os.PathLike | No
     if _looks_like_hub_id(s):
         local = _hub_cached(s)
         if local is None:
+            parent = Path(os.path.expanduser(s)).parent
+            if parent.is_dir():  # a local path with a typo, more likely than a hub id
+                import difflib
+                near = difflib.get_close_matches(p.name, [c.name for c in parent.iterdir()],
+                                                 n=3, cutoff=0.5)
+                hint = (f"; {parent}/ holds {', '.join(near)}" if near else
+                        f"; {parent}/ has nothing of that name")
+                raise ModelPreparationError(
+                    f"{s}: no such file or folder (in {Path.cwd()}){hint}. Pass an HF model "
+                    "folder or a .gguf file (as a Hugging Face hub id it is not in the local "
+                    "HF cache either, and Voodoo does not download)")
             raise ModelPreparationError(
                 f"{s!r} looks like a Hugging Face hub id, but Voodoo does not download from the "
-                "hub and it is not in the local HF cache. Download it elsewhere and pass the "
+                "hub and it is not in the local HF cache (nor is it a folder here, "
+                f"{Path.cwd()}). Download it elsewhere and pass the "
                 "local folder, or pass a .gguf file (with no argument, Voodoo uses "
                 "SmolLM2-135M-Instruct from PyPI).")
         return _prepare_hf_dir(local, work_dir, name=s.split("/")[-1],
