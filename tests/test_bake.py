@@ -112,6 +112,13 @@ def test_guardrails_hold_under_the_budget_and_give_way_over_it_with_a_warning():
         c = bake({"big": [5.0, 0.0], "small": [5.0, 0.0, 0.0, 0.0]}, menus, nbytes, 600,
                  tensor_upgrades='[{"pattern": "small", "levels": -3}]')
     assert {n: t["type"] for n, t in c["tensors"].items()} == {"big": "B", "small": "D"}
+    # a downgrade rule that caps the whole file under the window is named as the reason
+    with pytest.warns(UserWarning, match=r"cap the file at 800 bytes, every tensor at the "
+                                         r"largest type they allow"):
+        d = bake({"big": [5.0, 0.0], "small": [5.0, 0.0, 0.0, 0.0]}, menus,
+                 {"big": [100, 50], "small": [1000, 900, 800, 700]}, 2000,
+                 tensor_upgrades='[{"pattern": "small", "levels": -3}]')
+    assert d["total_bytes"] == 800
 
 
 def test_a_later_rule_on_a_tensor_replaces_its_guardrail():

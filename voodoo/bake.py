@@ -285,11 +285,17 @@ def bake(gate_logits: Mapping[str, Sequence[float] | torch.Tensor],
     guarded = [n for n in names if lo[n] > 0 or hi[n] < len(menu[n]) - 1]
     if total < lower:
         big = max(names, key=lambda n: max(nb[n]))
-        why = (f"steps are coarse; the largest tensor, {big}, moves in steps of up to "
-               f"{max(abs(a - b) for a, b in zip(nb[big], nb[big][1:]))} bytes")
-        if guarded:
-            why += (f"; the --tensor_upgrades guardrails of {len(guarded)} tensor(s) are kept, "
-                    "and may be what holds it under")
+        cap = total - sum(nb[n][cur[n]] for n in names) + sum(nb[n][lo[n]] for n in names)
+        if guarded and cap < lower:  # every tensor at the largest type its guardrail allows
+            why = (f"the --tensor_upgrades guardrails of {len(guarded)} tensor(s) cap the file "
+                   f"at {cap} bytes, every tensor at the largest type they allow; ask for "
+                   "fewer downgrade levels to use the budget")
+        else:
+            why = (f"steps are coarse; the largest tensor, {big}, moves in steps of up to "
+                   f"{max(abs(a - b) for a, b in zip(nb[big], nb[big][1:]))} bytes")
+            if guarded:
+                why += (f"; the --tensor_upgrades guardrails of {len(guarded)} tensor(s) are "
+                        "kept, and may be what holds it under")
         warnings.warn(f"bake: {total} bytes is {100 * (1 - total / budget):.2f}% under the "
                       f"budget of {budget}: no assignment of these menus lands closer without "
                       f"going over ({why})", stacklevel=2)
