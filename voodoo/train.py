@@ -561,9 +561,10 @@ def train_gates(student: nn.Module, teacher, train_blocks: torch.Tensor, cfg: Tr
         set_temperature(student, temperature_at(max(step - 1, 0), cfg))
         expected = float(model_expected_bytes(student))
     if progress and step > 0:
-        print(f"[voodoo] gate training: {step} steps; the soft gates' expected size is "
-              f"{expected / budget:.4f} of the budget (the size penalty is zero within "
-              f"±{cfg.size_tolerance:g}); bake then picks one type per tensor within its "
-              "tolerance of the budget", file=sys.stderr, flush=True)
+        print(f"[voodoo] gate training: {step} steps; after the last update the soft gates' "
+              f"expected size is {expected / budget:.4f} of the budget (the bar's size= is "
+              "each step's before its update; the size penalty is zero within "
+              f"±{cfg.size_tolerance:g}); bake then picks one type per tensor and lands the "
+              "file within its tolerance of the budget", file=sys.stderr, flush=True)
     return TrainResult(gate_state(student), step, step >= cfg.max_steps, int(budget), expected,
                        history)
