@@ -464,8 +464,10 @@ def test_hessians_of_the_same_inputs_come_from_the_cache(tiny_fixed, tmp_path, m
 
 def test_a_damaged_cached_base_gguf_is_converted_again(tiny_fixed, tmp_path):
     """Flipped bytes in the cached ``base-f32.gguf`` were reported as a wrong tensor map ("the
-    map is wrong for this model"); the model is now converted again, and a base that then
-    agrees says the cached one was damaged."""
+    map is wrong for this model"); the model is now converted again: found by its
+    ``.written.sha256`` record, or, for a base without one (a cache from before the records),
+    by the map's check, after which a base that agrees says the cached one was damaged."""
+    from voodoo.models import WRITTEN_SUFFIX
     from voodoo.pipeline import load_context
     ctx = load_context(str(tiny_fixed), work_dir=tmp_path / "w", with_tokenizer=False)
     base = Path(ctx.prepared.base_gguf)
@@ -473,10 +475,16 @@ def test_a_damaged_cached_base_gguf_is_converted_again(tiny_fixed, tmp_path):
     good = base.read_bytes()
     bad = bytearray(good)
     bad[-4096:-4000] = b"\xff" * 96            # inside the last tensor's F32 data: NaNs
-    base.write_bytes(bytes(bad))
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err):
-        ctx2 = load_context(str(tiny_fixed), work_dir=tmp_path / "w", with_tokenizer=False)
-    log = err.getvalue()
-    assert "in case the cached" in log and "the cached one was damaged" in log
-    assert Path(ctx2.prepared.base_gguf).read_bytes() == good
+    for record in (True, False):
+        base.write_bytes(bytes(bad))
+        if not record:
+            base.with_name(base.name + WRITTEN_SUFFIX).unlink()
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            ctx2 = load_context(str(tiny_fixed), work_dir=tmp_path / "w", with_tokenizer=False)
+        log = err.getvalue()
+        if record:
+            assert "has changed since it was written" in log, log[-2000:]
+        else:
+            assert "in case the cached" in log and "the cached one was damaged" in log
+        assert Path(ctx2.prepared.base_gguf).read_bytes() == good
