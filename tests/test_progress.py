@@ -79,3 +79,11 @@ def test_min_gap_keeps_a_fast_stage_short():
     p = Progress(8, "slow", stream=buf, prefix="", min_gap_s=60.0, every_s=0.0)
     p.update(1)
     assert buf.getvalue().startswith("slow: 12% (")
+
+
+def test_log_lines_name_their_room(capsys):
+    from voodoo.progress import log, room_log
+    log("plain")
+    room_log("models")("converted")
+    err = capsys.readouterr().err
+    assert err == "[voodoo] plain\n[voodoo models] converted\n"

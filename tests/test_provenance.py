@@ -167,3 +167,26 @@ def test_an_edited_calibration_text_refuses_the_journal_before_the_stages(tiny_f
     txt.write_text(before)
     rc, so, se = run_cli(argv)
     assert rc == 0, se[-3000:]
+
+
+def test_written_record_tells_a_changed_file_from_a_touched_one(tmp_path):
+    """The record of a file as written: a touch keeps it valid, a flipped byte or a truncation
+    does not, and a truncated file is not hashed (the size is checked first)."""
+    import os
+
+    from voodoo.fsutil import changed_since_written, written_record
+    p = tmp_path / "f.bin"
+    p.write_bytes(bytes(range(256)) * 64)
+    size, digest = written_record(p)
+    assert size == 16384 and digest == sha256_file(p)
+    os.utime(p, (1, 1))
+    assert changed_since_written(p, size, digest) is None
+    b = bytearray(p.read_bytes())
+    b[5000] ^= 1
+    p.write_bytes(bytes(b))
+    why = changed_since_written(p, size, digest)
+    assert why is not None and "sha256" in why and digest[:12] in why
+    p.write_bytes(bytes(b[:100]))
+    hashed = []
+    why = changed_since_written(p, size, digest, sha256=lambda q: hashed.append(q) or "x")
+    assert why == "it has 100 bytes, 16384 when written" and hashed == []

@@ -23,8 +23,9 @@ from typing import Iterable, Mapping, Sequence
 
 import torch
 
-from .fsutil import atomic_write_text, sha256_file
+from .fsutil import atomic_write_text, changed_since_written, sha256_file, written_record
 from .llamatext import readable_text
+from .progress import log as _log
 
 from voodoo.llamacpp import LlamaCppNotBuilt, cache_root, llama_cpp_commit, tool_env, tool_path
 
@@ -174,9 +175,6 @@ def _tail(text: str, n: int = 25) -> str:
 _HASHES: dict[tuple, str] = {}
 
 
-def _log(msg: str) -> None:
-    import sys
-    print(f"[voodoo] {msg}", file=sys.stderr, flush=True)
 
 
 def _sha256_file(path: Path) -> str:
@@ -343,7 +341,7 @@ def kld_base(reference_gguf: str | os.PathLike, text_file: str | os.PathLike, ct
         Path(tmp).unlink(missing_ok=True)
     info = {"ppl": res["ppl"], "ppl_err": res.get("ppl_err"), "n_chunks": res.get("n_chunks"),
             "ctx": ctx, "reference": str(ref), "text": str(text), "key": json.loads(key_src),
-            "kld_bytes": kld_path.stat().st_size, "kld_sha256": _sha256_file(kld_path)}
+            **dict(zip(("kld_bytes", "kld_sha256"), written_record(kld_path, _sha256_file)))}
     _write_atomic(info_path, json.dumps(info, indent=1) + "\n")
     return {**info, "path": str(kld_path), "cached": False}
 
@@ -361,17 +359,16 @@ def _cached_kld_info(kld_path: Path, info_path: Path) -> dict | None:
     except (OSError, ValueError) as e:
         info, why = None, f"its record {info_path.name} is unreadable ({e})"
     if info is not None:
-        size = kld_path.stat().st_size
         if "kld_bytes" not in info or "kld_sha256" not in info:
-            info.update(kld_bytes=size, kld_sha256=_sha256_file(kld_path))
+            size, digest = written_record(kld_path, _sha256_file)
+            info.update(kld_bytes=size, kld_sha256=digest)
             try:
                 _write_atomic(info_path, json.dumps(info, indent=1) + "\n")
             except OSError:
                 pass
-        elif size != info["kld_bytes"]:
-            why = f"it has {size} bytes, {info['kld_bytes']} when written"
-        elif _sha256_file(kld_path) != info["kld_sha256"]:
-            why = "its sha256 differs from the one recorded when it was written"
+        else:
+            why = changed_since_written(kld_path, info["kld_bytes"], info["kld_sha256"],
+                                        _sha256_file)
     if why is None:
         return info
     _log(f"the cached base logits {kld_path} are damaged ({why}): removing them and running "

@@ -9,7 +9,7 @@ import os
 import tempfile
 from pathlib import Path
 
-__all__ = ["sha256_file", "atomic_write_bytes", "atomic_write_text", "file_mode",
+__all__ = ["sha256_file", "written_record", "changed_since_written", "atomic_write_bytes", "atomic_write_text", "file_mode",
            "file_in_the_way", "is_disk_full", "no_space_message"]
 
 
@@ -35,6 +35,29 @@ def sha256_file(path: str | os.PathLike) -> str:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
     return h.hexdigest()
+
+
+def written_record(path: str | os.PathLike, sha256=sha256_file) -> tuple[int, str]:
+    """``(size in bytes, hex sha256)`` of a file just written, to keep beside it and check with
+    :func:`changed_since_written` before the file is trusted again. ``sha256``: the hasher
+    (a caching one may be passed)."""
+    return os.stat(path).st_size, sha256(path)
+
+
+def changed_since_written(path: str | os.PathLike, size: int, digest: str,
+                          sha256=sha256_file) -> str | None:
+    """None while ``path`` still holds what :func:`written_record` recorded; else why not, as
+    a phrase ("it has N bytes, M when written" / "its sha256 … differs from … recorded when
+    it was written"). The size is checked first, so a truncated file is not hashed. A file
+    touched but unchanged passes: unlike a side file that follows size and mtime, the record
+    is never rewritten."""
+    now = os.stat(path).st_size
+    if now != int(size):
+        return f"it has {now} bytes, {size} when written"
+    h = sha256(path)
+    if h != digest:
+        return f"its sha256 {h[:12]}… differs from {digest[:12]}…, recorded when it was written"
+    return None
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:

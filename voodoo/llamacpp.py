@@ -35,6 +35,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from .progress import room_log
+
 #: llama-cpp-python release whose sdist carries the llama.cpp source Voodoo builds.
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
 #: sha256 of ``llama_cpp_python-0.3.36.tar.gz`` on PyPI.
@@ -206,8 +208,7 @@ def tools_status() -> dict[str, str | None]:
 
 
 # ------------------------------------------------------------------------------- building
-def _log(msg: str) -> None:
-    print(f"[voodoo bootstrap] {msg}", file=sys.stderr, flush=True)
+_log = room_log("bootstrap")
 
 
 def _sha256(path: Path) -> str:

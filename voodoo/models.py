@@ -87,8 +87,9 @@ _QUANT_SUFFIX = re.compile(
     r"[.\-_](?:I?Q\d[\w]*|F16|F32|BF16|f16|f32|bf16|MXFP4\w*)$", re.IGNORECASE)
 
 
-def _log(msg: str) -> None:
-    print(f"[voodoo models] {msg}", file=sys.stderr, flush=True)
+from .progress import room_log  # noqa: E402
+
+_log = room_log("models")
 
 
 from .fsutil import sha256_file  # noqa: E402  (re-exported: voodoo.models.sha256_file)
@@ -230,16 +231,18 @@ WRITTEN_SUFFIX = ".written.sha256"
 
 
 def _record_written(base: Path) -> None:
-    from .fsutil import atomic_write_text
+    from .fsutil import atomic_write_text, written_record
     from .provenance import file_sha256
-    atomic_write_text(base.with_name(base.name + WRITTEN_SUFFIX),
-                      f"{base.stat().st_size} {file_sha256(base)}\n")
+    size, digest = written_record(base, file_sha256)
+    atomic_write_text(base.with_name(base.name + WRITTEN_SUFFIX), f"{size} {digest}\n")
 
 
 def _base_intact(base: Path) -> bool:
-    """Whether a cached base F32 GGUF still holds the bytes it was written with (size, then
-    sha256 against its ``.written.sha256`` record; a file from before these records gets one
-    now). A damaged one is removed, with a line, so the caller converts it again."""
+    """Whether a cached base F32 GGUF still holds the bytes it was written with (its
+    ``.written.sha256`` record, :func:`voodoo.fsutil.changed_since_written`; a file from before
+    these records gets one now). A damaged one is removed, with a line, so the caller converts
+    it again."""
+    from .fsutil import changed_since_written
     from .provenance import file_sha256
     rec = base.with_name(base.name + WRITTEN_SUFFIX)
     try:
@@ -251,12 +254,11 @@ def _base_intact(base: Path) -> bool:
         except OSError:
             pass
         return True
-    st = base.stat()
-    if st.st_size == size and file_sha256(base) == digest:
+    why = changed_since_written(base, size, digest, file_sha256)
+    if why is None:
         return True
-    _log(f"{base} has changed since it was written (sha256 {digest[:12]}…, now "
-         f"{'a different size' if st.st_size != size else file_sha256(base)[:12] + '…'}): "
-         "removing it and converting the model again")
+    _log(f"{base} has changed since it was written ({why}): removing it and converting the "
+         "model again")
     for q in (base, rec, base.with_name(base.name + ".sha256")):
         q.unlink(missing_ok=True)
     return False

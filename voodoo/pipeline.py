@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -30,6 +29,7 @@ import torch
 from . import quants
 from .candidates import CandidateCache, CandidateJob
 from .models import PreparedModel, load_hf_model, prepare_model
+from .progress import log
 from .tensormap import MapEntry, TensorMap
 
 __all__ = [
@@ -41,8 +41,6 @@ __all__ = [
 ]
 
 
-def log(msg: str) -> None:
-    print(f"[voodoo] {msg}", file=sys.stderr, flush=True)
 
 
 class Timer:

@@ -18,6 +18,17 @@ import sys
 import time
 
 
+def log(msg: str, room: str | None = None) -> None:
+    """One status line to stderr, flushed: ``[voodoo] msg``, or ``[voodoo ROOM] msg`` for a
+    stage that names itself (``models``, ``tensormap``, ``bootstrap``)."""
+    print(f"[voodoo{' ' + room if room else ''}] {msg}", file=sys.stderr, flush=True)
+
+
+def room_log(room: str):
+    """:func:`log` bound to ``room``: ``_log = room_log("models")``."""
+    return lambda msg: log(msg, room)
+
+
 def fmt_duration(seconds: float) -> str:
     """``161.2`` -> ``"2 min 41 s"``; ``9.4`` -> ``"9.4 s"``; ``3725`` -> ``"1 h 2 min"``."""
     s = float(seconds)

@@ -42,7 +42,6 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 import tempfile
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -50,6 +49,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from .progress import room_log
 
 __all__ = [
     "Link", "MapEntry", "TensorMap", "TensorMapError", "UnsupportedArchitecture",
@@ -68,8 +69,7 @@ class UnsupportedArchitecture(TensorMapError):
     """llama.cpp's pinned converter does not register this architecture."""
 
 
-def _log(msg: str) -> None:
-    print(f"[voodoo tensormap] {msg}", file=sys.stderr, flush=True)
+_log = room_log("tensormap")
 
 
 # ----------------------------------------------------------------------- llama-quantize's rule
