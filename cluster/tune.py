@@ -184,7 +184,10 @@ def _trial(config: dict, *, factory, base_cfg: dict, shared, checkpoint_every: i
     loop_cfg = {"factory": factory, "cfg": cfg.to_dict(), "shared": shared,
                 "checkpoint_every": checkpoint_every, "report_every": report_every,
                 "report_objective": True, "init_logits": init_logits}
-    out = run_loop(loop_cfg, TuneBackend())
+    try:
+        out = run_loop(loop_cfg, TuneBackend())
+    except StopIteration as e:  # escaping a trial, Tune reads it as the function's normal end
+        raise RuntimeError(f"StopIteration in the trial's training loop: {e!r}") from e
     ev = evaluate_assignment(out["job"], out["gates"], out["budget_bytes"], tolerance,
                              bake_options)
     tune.report({OBJECTIVE: ev["objective"], "kl": ev["kl"], "total_bytes": ev["total_bytes"],
@@ -302,14 +305,20 @@ def run_sweep(factory: Callable[[WorkerInfo], StudentJob], cfg: TrainConfig, *,
                      OBJECTIVE: m.get(OBJECTIVE), "kl": m.get("kl") if m.get("final") else None,
                      "total_bytes": m.get("total_bytes"), "budget_bytes": m.get("budget_bytes"),
                      "finished": bool(m.get("final")), "ok": bool(m.get("ok")),
-                     "error": None if r.error is None else str(r.error).splitlines()[0],
+                     "error": None if r.error is None else _error_reason(r.error),
                      "checkpoint": None if r.checkpoint is None else r.checkpoint.path})
     done = [r for r in rows if r["finished"] and r["ok"]]
     if print_table:
         _print_table(rows, list(space))
     if not done:
-        raise RuntimeError(f"no trial of sweep {name} finished with a size within the budget; "
-                           f"see the table above")
+        failed: dict[str, list] = {}
+        for r in rows:
+            if r["error"]:
+                failed.setdefault(r["error"], []).append(str(r["trial_id"]))
+        why = "".join(f"; {len(v)} trial{'s' * (len(v) > 1)} failed: {k} ({', '.join(v)})"
+                      for k, v in failed.items())
+        raise RuntimeError(f"no trial of sweep {name} finished with a size within the budget"
+                           f"{why or '; see the table above'}")
     # ties (trials baking the same assignment) go to the lowest trial id, so a resumed or
     # re-reported sweep names the same best trial
     best = min(done, key=lambda r: (r[OBJECTIVE], str(r["trial_id"])))
@@ -387,6 +396,23 @@ def _progress(grid, num_samples: int) -> tuple[int, int]:
     st = _trial_status(grid)
     done = sum(s in ("TERMINATED", "ERROR") for s in st)
     return done, max(int(num_samples), len(st))
+
+
+def _error_reason(err: BaseException) -> str:
+    """One line for a failed trial: the trial's own exception (``TypeName: message``, the
+    cause inside Ray's ``RayTaskError``), not the first line of Ray's wrapper
+    (``ray::ImplicitFunc.train() (pid=…)``)."""
+    import re
+    cause = getattr(err, "cause", None)
+    if isinstance(cause, BaseException) and cause is not err:
+        err = cause
+    text = str(err).strip()
+    last = [ln.strip() for ln in text.splitlines()
+            if re.match(r"[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)\b", ln.strip())]
+    if last:
+        return last[-1]
+    first = text.splitlines()[0] if text else ""
+    return f"{type(err).__name__}: {first}" if first else type(err).__name__
 
 
 def _trial_id(result) -> str | None:

@@ -1340,7 +1340,7 @@ class Run:
                                       {"model": inputs["model"], "tokens": inputs["tokens"]},
                                       label="held-out Hessians")
         self.heldout_hessians = heldout  # also the Fisher prior's input correlation
-        with self.timer("rounding choice"):
+        with self.timer("candidates and rounding choice"):
             self.feedback = choose_rounding(
                 self.ctx, menus, self.im, self.cache, self.hessians, heldout,
                 precache=_precache_fn(self.a), path=self.out / "rounding.json",
@@ -1686,17 +1686,27 @@ class Run:
         # one replica per device: decide --lazy before anything is loaded (not for a layer-wise
         # or tensor-parallel split, whose per-device share the prediction does not model)
         self.memory_plan(cfg, decide=not a.device_map and a.tensor_parallel == 1)
-        # GPU workers compute it on their GPU, except for a lazy student (no dense candidates
-        # there to weigh): then the driver does, as on the CPU
+        # the driver computes the Fisher prior (voodoo.pipeline.fisher_prior: the candidate
+        # cache and the tensor map are here; a worker's student gates HF parameters through
+        # the map, which voodoo.sensitivity.prior_from_student cannot weigh), on --device
+        # when this process has it, else on the CPU (a CPU head driving GPU workers)
         run_name, storage = _ray_run_name(a, self.out), _ray_storage(a, self.out)
-        if cfg.gate_init == "fisher" and (not use_gpu or a.lazy):
+        if cfg.gate_init == "fisher":
+            import dataclasses
+
+            import torch
             from cluster.train import newest_checkpoint
 
             from .pipeline import build_teacher
-            init = self.gate_prior(cfg, build_teacher(self.ctx, a.teacher_quant,
-                                                      checkpoint=a.teacher_checkpoint),
-                                   resuming=newest_checkpoint(Path(storage) / run_name)
-                                   is not None)
+            pcfg = cfg
+            if str(cfg.device).startswith("cuda") and not torch.cuda.is_available():
+                pcfg = dataclasses.replace(cfg, device="cpu")
+            teacher = build_teacher(self.ctx, a.teacher_quant, checkpoint=a.teacher_checkpoint)
+            init = self.gate_prior(pcfg, teacher, resuming=newest_checkpoint(
+                Path(storage) / run_name) is not None)
+            del teacher   # the workers build their own: free this process's device memory
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
         self.check_training_state(str(Path(storage) / run_name), "Ray Train checkpoint folder")
         nw = a.num_workers
         if nw is None:
@@ -2607,8 +2617,11 @@ def _tune(argv):
     init = None
     if cfg.gate_init == "fisher":
         from .pipeline import build_teacher
+        # every trial starts from the prior (a resumed sweep's trials from their checkpoints),
+        # whatever in-process journal (train/partial.pt) the folder holds
         init = r.gate_prior(cfg, build_teacher(r.ctx, a.teacher_quant,
-                                               checkpoint=a.teacher_checkpoint))
+                                               checkpoint=a.teacher_checkpoint),
+                            resuming=False)
     from cluster.session import ensure_ray
     ensure_ray()  # a local Ray started here ends with this process, even on SIGKILL
     from cluster.tune import run_sweep

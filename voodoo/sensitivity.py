@@ -87,12 +87,15 @@ def fisher_diagonal(model: nn.Module, specs: Sequence, blocks: torch.Tensor, *, 
     blocks of the squared gradient of ``sum_t log p(y_t | x_<t)``, ``y_t`` sampled from the
     model, divided by T -- so ``1/2 * sum F * dW**2`` is in nats per token.
 
-    Raises ValueError for empty or non-integer blocks or a spec whose module has no weight.
+    Raises ValueError for empty or non-integer blocks, no specs, or a spec whose module has no
+    weight.
     """
     if blocks.dim() != 2 or len(blocks) < 1 or blocks.dtype != torch.long:
         raise ValueError(f"blocks must be (N >= 1, T) int64, got {tuple(blocks.shape)} "
                          f"{blocks.dtype}")
     weights = {s.gguf_name: _resolve(model, s) for s in specs}
+    if not weights:
+        raise ValueError("no tensor specs to take the Fisher diagonal of (specs is empty)")
     was = {id(p): p.requires_grad for p in model.parameters()}
     wanted = {id(w) for w in weights.values()}
     for p in model.parameters():

@@ -135,7 +135,13 @@ def test_voodoo_tp(tiny_fixed, tmp_path, one_worker, ray_up, monkeypatch):
 
 
 def test_voodoo_tune(tiny_fixed, tmp_path, ray_up):
+    """A sweep in a folder that already holds an in-process journal (`train/partial.pt`, e.g.
+    after `voodoo run` there): every trial once failed at its start ("gate_init 'fisher'
+    needs init_logits"), because the prior was skipped as if a journal would be resumed."""
     out = tmp_path / "tune"
+    rc, stdout, err = run_cli(["train", "--model", str(tiny_fixed), "--output_dir", str(out),
+                               *DATA, *MENU, *TRAIN, "--stop_after", "1"])
+    assert rc == 0 and (out / "train" / "partial.pt").is_file(), (stdout + err)[-4000:]
     t0 = time.perf_counter()
     rc, stdout, err = run_cli(["tune", "--model", str(tiny_fixed), "--output_dir", str(out),
                                *DATA, *MENU, *TRAIN, "--num_samples", "4",

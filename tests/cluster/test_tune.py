@@ -201,3 +201,23 @@ def test_sigkilled_sweep_leaves_no_ray_behind_and_resumes(tmp_path):
     assert f"resuming sweep killed ({storage / 'killed'}): {done} of 3 trials finished" in out
     assert "SWEEP_DONE" in out
     assert len(calls.read_text().splitlines()) - before == 3 - done
+
+
+def test_a_sweep_whose_trials_fail_says_why(tmp_path, ray_up, capsys):
+    """A trial that raises is one "error" row in the table, and the sweep's error quotes the
+    trials' reason (once only Ray's "Should not have reached here" was shown: `voodoo tune`
+    in a folder holding a journal started Fisher-init trials without the prior's logits).
+    Here every trial is handed starting logits of the wrong length."""
+    import torch
+    f = TinyLlamaFactory()
+    names = list(gate_state(f(WorkerInfo()).student))
+    bad = {n: torch.zeros(99) for n in names}
+    with pytest.raises(RuntimeError) as ei:
+        run_sweep(f, dataclasses.replace(CFG, max_steps=2), num_samples=2, name="failing",
+                  storage_path=tmp_path, shared=f.make_shared(), cpus_per_trial=0.5,
+                  max_concurrent_trials=2, seed=0, init_logits=bad)
+    out = capsys.readouterr().out
+    msg = str(ei.value)
+    assert "no trial of sweep failing" in msg and "2 trials failed" in msg, msg
+    assert "99" in msg, msg   # the trials' own reason, not Ray's
+    assert out.count("error") >= 2, out
