@@ -86,6 +86,16 @@ FAMILIES: dict[str, tuple[str, dict, dict]] = {
                            num_attention_heads=2, image_size=64, patch_size=16),
         mm_tokens_per_image=4, boi_token_index=VOCAB - 3, eoi_token_index=VOCAB - 2,
         image_token_index=VOCAB - 1), {"shift_1d": _GEMMA_POST}),
+    # the converter's Mistral3Model hands every tensor to an inner model class with its own
+    # GGUF writer (``impl``: Ministral3 here, Mistral4 for model_type mistral4)
+    "mistral3": ("Mistral3ForConditionalGeneration", dict(
+        model_type="mistral3",
+        text_config=dict(model_type="mistral", hidden_size=128, intermediate_size=256,
+                         num_hidden_layers=2, sliding_window=None, **_ATT, **_TOK),
+        vision_config=dict(model_type="pixtral", hidden_size=64, intermediate_size=128,
+                           num_hidden_layers=1, num_attention_heads=2, head_dim=32,
+                           image_size=64, patch_size=16),
+        image_token_index=VOCAB - 1, spatial_merge_size=2), {}),
     "phi3": ("Phi3ForCausalLM", dict(
         model_type="phi3", hidden_size=128, intermediate_size=256, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=4), {"tokenizer_class": "GPT2Tokenizer"}),

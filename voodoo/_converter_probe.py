@@ -63,20 +63,31 @@ def _convert(cls, hf_dir, out_prefix, kw, np, torch, gguf):
                 dry_run=True, **kw)
         recorded = {}
         meta = []
+        archs = []
 
-        def add_tensor(name, tensor, raw_shape=None, raw_dtype=None, tensor_endianess=None):
+        # on the class, not the instance: a model class may hand the work to another one
+        # with its own writer (Mistral3Model's ``impl``: Ministral3 or Mistral4)
+        def add_tensor(self, name, tensor, raw_shape=None, raw_dtype=None,
+                       tensor_endianess=None):
             a = np.asarray(tensor)
             if a.dtype.kind == "f" and a.dtype != np.float32:
                 a = a.astype(np.float32)
             recorded[name] = np.ascontiguousarray(a)
             meta.append({"name": name, "shape": list(a.shape),
                          "dtype": getattr(raw_dtype, "name", str(a.dtype))})
+            archs.append(self.arch)
 
-        m.gguf_writer.add_tensor = add_tensor
-        m.prepare_tensors()
+        original = gguf.GGUFWriter.add_tensor
+        gguf.GGUFWriter.add_tensor = add_tensor
+        try:
+            m.prepare_tensors()
+        finally:
+            gguf.GGUFWriter.add_tensor = original
+    # the arch of the writer that got the tensors (a delegating class's own is a placeholder)
+    arch = archs[-1] if archs else gguf.MODEL_ARCH_NAMES[m.model_arch]
     np.savez(out_prefix + ".npz", **{f"t{i}": recorded[d["name"]] for i, d in enumerate(meta)})
     Path(out_prefix + ".json").write_text(json.dumps({
-        "arch": gguf.MODEL_ARCH_NAMES[m.model_arch], "hf_arch": m.hf_arch
+        "arch": arch, "hf_arch": m.hf_arch
         if hasattr(m, "hf_arch") else "", "tensors": meta}))
 
 

@@ -586,6 +586,11 @@ def derive_tensor_map(model: torch.nn.Module, hf_dir: str | os.PathLike,
                  f"checkpoints of {total:,} parameters")
         metas = _run_converter(runs, converter_args, work / "spec.json")
         outs_meta = metas[0]
+        if not outs_meta["tensors"]:
+            raise TensorMapError(
+                f"llama.cpp's converter ({outs_meta.get('hf_arch') or type(model).__name__}) "
+                "handed no tensor to its GGUF writer for the probe checkpoints, so no tensor "
+                "map can be derived; please report it with the model's config.json")
         rule = quantize_rule()
 
         def selectable(meta):
