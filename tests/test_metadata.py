@@ -146,3 +146,20 @@ def test_recipes_name_llama_quantize_by_its_path(tiny_prepared, tmp_path, monkey
     cli._print_recipe(gguf, tiny_prepared.base_gguf, tmp_path / "imatrix.gguf")
     last = capsys.readouterr().out.splitlines()[-1]
     assert last.split()[0] == str(quantize) and last.endswith("out.gguf Q8_0")
+
+
+def test_doctor_names_a_missing_converter_source(tmp_path, monkeypatch):
+    """A cache without llama.cpp's source (e.g. builds named by $VOODOO_LLAMA_CPP and
+    $VOODOO_GGML_LIB, a fresh $VOODOO_CACHE) was "all good" to doctor while every model failed
+    in seconds ("llama.cpp source not found"); doctor now lists it, with `voodoo bootstrap`,
+    which fetches the source even when both builds come from elsewhere."""
+    import io
+
+    from voodoo import doctor
+    monkeypatch.setenv("VOODOO_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(doctor, "self_check", lambda: [])
+    out = io.StringIO()
+    rc = doctor.run(out=out)
+    text = out.getvalue()
+    assert rc == 1 and "llama.cpp source" in text and "MISSING" in text, text
+    assert "voodoo bootstrap" in text.split("problems:")[1]

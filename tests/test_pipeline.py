@@ -251,6 +251,26 @@ def test_eval_in_a_run_folder_keeps_its_data(tiny_run, monkeypatch):
     assert "(5 blocks)" in stderr and meta.read_bytes() == before
 
 
+def test_eval_checks_its_text_and_ctx_as_run_does(tiny_run, tmp_path):
+    """``voodoo eval --gguf`` refuses, before llama-perplexity runs, what ``voodoo run`` refuses
+    before training: a text that is not UTF-8 text (UTF-16, binary: once a raw "invalid
+    codepoint" abort, or a table of UTF-16 bytes), and a --ctx beyond the model's context (once
+    minutes of llama-perplexity and gigabytes of base logits)."""
+    from transformers import AutoConfig
+    n_ctx = AutoConfig.from_pretrained(tiny_run["model"]).max_position_embeddings
+    u16 = tmp_path / "u16.txt"
+    u16.write_text("The quick brown fox jumps over the lazy dog. " * 400, encoding="utf-16")
+    base = ["eval", "--model", str(tiny_run["model"]), "--gguf", str(tiny_run["gguf"])]
+    rc, _, err = run_cli([*base, "--eval_text", str(u16), *EVAL])
+    assert rc == 2 and "not a text file" in err and "Traceback" not in err, err[-2000:]
+    good = tmp_path / "good.txt"
+    good.write_text("The quick brown fox jumps over the lazy dog. " * 400)
+    rc, _, err = run_cli([*base, "--eval_text", str(good), "--ctx", str(2 * n_ctx),
+                          "--chunks", "1"])
+    assert rc == 2 and f"--ctx {2 * n_ctx} is longer than the model's context" in err, \
+        err[-2000:]
+
+
 def test_eval_of_a_run_folders_gguf_scores_the_runs_text(tiny_run, monkeypatch):
     """``voodoo eval --gguf runs/x/F.gguf`` without --eval_text (and no WikiText beside the
     checkout) measured on the calibration corpus's eval split, not on the text `voodoo run`

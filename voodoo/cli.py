@@ -2412,6 +2412,19 @@ def _eval(argv):
             raise UsageError(f"--eval_text {text}: no such file")
         if text is None:
             text = _eval_split_text(a)
+        else:   # what `voodoo run` checks before it trains: a text file long enough, and a
+            # --ctx within the model's context (else minutes of llama-perplexity on positions
+            # the model never saw, and gigabytes of base logits)
+            from types import SimpleNamespace
+
+            from transformers import AutoConfig, AutoTokenizer
+            try:
+                config = AutoConfig.from_pretrained(prepared.hf_dir)
+            except (OSError, ValueError):
+                config = None
+            _check_seq_len(SimpleNamespace(seq_len=None, ctx=a.ctx), config)
+            _check_eval_text_tokens(SimpleNamespace(eval_text=text, ctx=a.ctx, chunks=a.chunks),
+                                    AutoTokenizer.from_pretrained(prepared.hf_dir))
         from .llamatext import text_note
         header = (f"llama-perplexity -c {a.ctx} --chunks {a.chunks} on {text}"
                   f"{text_note(prepared.reference_gguf, text)}; KLD against "

@@ -153,6 +153,12 @@ def run(out=sys.stdout, model: str | None = None) -> int:
     except ImportError as e:
         problems.append(f"cython_ggml cannot load libggml-base: {e}")
         cython_ggml = None
+    try:   # the converter every model goes through (tensor map, F32 base GGUF)
+        line("llama.cpp source", f"{llamacpp.source_dir()} (convert_hf_to_gguf.py)")
+    except llamacpp.LlamaCppNotBuilt as e:
+        line("llama.cpp source", "MISSING")
+        problems.append(f"{e} (it fetches the pinned source, sha256-checked; builds "
+                        "already there are kept)")
     tools = llamacpp.tools_status()
     for t, p in tools.items():
         role = "chat/serve" if t in llamacpp.CHAT_TOOLS else "pipeline"

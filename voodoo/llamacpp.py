@@ -467,7 +467,10 @@ def build_tools(force: bool = False, tools: tuple[str, ...] = TOOLS) -> Path:
 def bootstrap(lib_only: bool = False, force: bool = False) -> dict:
     """Fetches the pinned llama.cpp and builds libggml-base (and the tools unless
     ``lib_only``). Reuses what is cached; builds only what is missing. Returns
-    ``{"lib": path, "bin": path or None}``."""
+    ``{"lib": path, "bin": path or None}``. The source is fetched even when
+    ``$VOODOO_GGML_LIB`` and ``$VOODOO_LLAMA_CPP`` name builds made elsewhere: the converter
+    (tensor maps, the F32 base GGUF) and llama-quantize's rules are read from it."""
+    fetch_source()
     lib = build_lib(force=force) if not os.environ.get("VOODOO_GGML_LIB") else lib_path()
     out = {"lib": str(lib), "bin": None}
     if not lib_only:
