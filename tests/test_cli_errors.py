@@ -135,7 +135,7 @@ def test_bad_match_size_or_data_before_any_work(cmd, flags, words, tmp_path):
     nothing_written(out)
 
 
-@pytest.mark.parametrize("cmd", ["eval", "chat", "serve"])
+@pytest.mark.parametrize("cmd", ["eval", "chat", "serve", "run"])
 def test_gguf_that_is_no_model(cmd, tmp_path):
     """An imatrix GGUF (no general.architecture) or a file that is no GGUF given as --gguf is
     refused with one line saying what it is, before llama.cpp prints its own errors."""
@@ -145,12 +145,14 @@ def test_gguf_that_is_no_model(cmd, tmp_path):
     im = tmp_path / "imatrix.gguf"
     write_imatrix_gguf(im, {"blk.0.attn_q.weight": np.ones(64, np.float32)},
                        {"blk.0.attn_q.weight": 4}, ["calib.txt"], 1, 64)
-    rc, _, err = run_cli([cmd, "--gguf", str(im)])
+    flag = "--model" if cmd == "run" else "--gguf"   # run: the model to quantize
+    out = ["--output_dir", str(tmp_path / "out")] if cmd == "run" else []
+    rc, _, err = run_cli([cmd, flag, str(im), *out])
     line = error_line(rc, err, cmd)
     assert "without general.architecture" in line and "imatrix" in line, line
     not_gguf = tmp_path / "notes.gguf"
     not_gguf.write_text("hello")
-    rc, _, err = run_cli([cmd, "--gguf", str(not_gguf)])
+    rc, _, err = run_cli([cmd, flag, str(not_gguf), *out])
     assert "not a readable GGUF file" in error_line(rc, err, cmd)
 
 

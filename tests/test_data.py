@@ -125,6 +125,10 @@ def test_errors(smol_tokenizer, jsonl_source, tmp_path):
         latin.write_bytes(raw.encode("latin1"))
         with pytest.raises(vd.DatasetError, match=f"latin{suffix} is not UTF-8 text.*iconv"):
             vd.read_documents(latin)
+    u16 = tmp_path / "u16.txt"   # the byte-order mark names the encoding to convert from
+    u16.write_text("café\n", encoding="utf-16")
+    with pytest.raises(vd.DatasetError, match="u16.txt is UTF-16 text.*iconv -f UTF-16 -t"):
+        vd.read_documents(u16)
     with pytest.raises(vd.DatasetError, match="no meta.json"):
         vd.load_dataset_dir(tmp_path / "empty")
     vd.build_dataset(smol_tokenizer, jsonl_source, tmp_path / "ok", seq_len=16, n_train_blocks=2,

@@ -989,8 +989,20 @@ def _check_model_early(model_arg: str) -> None:
                                         "local HF cache, or `default` for the default model, "
                                         "SmolLM2-135M-Instruct Q4_1)")
         return  # a hub id: prepare_model looks in the local HF cache
+    if p.is_file() and p.suffix.lower() == ".gguf":
+        from .ggufio import read_gguf
+        try:
+            arch = read_gguf(p).get_field("general.architecture")
+        except Exception:  # noqa: BLE001 - an unreadable one: prepare_model says so
+            return
+        if arch is None:
+            from .models import ModelPreparationError
+            raise ModelPreparationError(
+                f"--model {model_arg}: a GGUF without general.architecture, not a model (an "
+                "imatrix or other data file?); give the model's .gguf or HF folder")
+        return
     if not (p.is_dir() and (p / "config.json").is_file()):
-        return  # prepare_model reports .gguf files and non-model folders itself
+        return  # prepare_model reports other files and non-model folders itself
     from .llamacpp import LlamaCppNotBuilt, source_dir
     from .models import _read_config, converter_info
     try:

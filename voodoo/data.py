@@ -244,8 +244,19 @@ def strip_wiki_markup(text: str) -> str:
 
 # ------------------------------------------------------------------------------------ sources
 def _not_utf8(path: Path, e: UnicodeDecodeError) -> DatasetError:
-    return DatasetError(f"{path} is not UTF-8 text ({e}); convert it first, e.g. `iconv -f "
-                        f"latin1 -t utf-8 {path.name} > {path.stem}.utf8{path.suffix}`")
+    """The error for a file that does not decode as UTF-8, with the ``iconv`` line to convert
+    it: from UTF-16/32 when it starts with their byte-order mark, else from Latin-1 (a guess)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4)
+    except OSError:
+        head = b""
+    src = ("UTF-32" if head[:4] in (b"\xff\xfe\x00\x00", b"\x00\x00\xfe\xff") else
+           "UTF-16" if head[:2] in (b"\xff\xfe", b"\xfe\xff") else "latin1")
+    what = f"{src} text (its byte-order mark says so)" if src != "latin1" else "UTF-8 text"
+    return DatasetError(f"{path} is {'not ' if src == 'latin1' else ''}{what} ({e}); convert it "
+                        f"first, e.g. `iconv -f {src} -t utf-8 {path.name} > "
+                        f"{path.stem}.utf8{path.suffix}`")
 
 
 def _read_txt(path: Path) -> list[str]:
