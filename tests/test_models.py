@@ -112,6 +112,21 @@ def test_an_architecture_in_another_case_names_the_registered_one():
     assert '"architectures": ["MPTForCausalLM"]' in str(e.value), str(e.value)
 
 
+def test_a_wrapper_naming_its_text_model_is_seen_as_multimodal():
+    """SmolVLM / LFM2-VL checkpoints name their language model in ``text_config``: the
+    converter's text class is that model's, and the wrapper's own name finds the vision class,
+    so the "is multimodal: --mmproj" line is printed for them too (it was not)."""
+    from voodoo.models import converter_info
+    cfg = {"architectures": ["SmolVLMForConditionalGeneration"], "model_type": "smolvlm",
+           "text_config": {"architectures": ["VLlama3ForCausalLM"], "model_type": "llama"},
+           "vision_config": {"model_type": "smolvlm_vision"}}
+    info = converter_info(cfg)
+    assert info["architecture"] == "VLlama3ForCausalLM" and info["supported"]
+    assert info["mmproj"] and info["mm_architecture"] == "SmolVLMForConditionalGeneration"
+    plain = converter_info({"architectures": ["LlamaForCausalLM"], "model_type": "llama"})
+    assert not plain["mmproj"] and "mm_architecture" not in plain
+
+
 # ------------------------------------------------------------------------ HF folder
 def test_prepare_hf_folder(tiny_prepared, tiny_model_dir):
     p = tiny_prepared

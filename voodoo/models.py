@@ -431,7 +431,7 @@ def _prepare_hf_dir(d: Path, work_dir, name: str | None = None,
     info = converter_info(cfg)           # fails early, naming the architecture, if unknown
     _check_causal_lm(d, converter_text_model=info["supported"])
     if info["mmproj"]:
-        _log(f"{info['architecture']} is multimodal: Voodoo quantizes the language model that "
+        _log(f"{info.get('mm_architecture') or info['architecture']} is multimodal: Voodoo quantizes the language model that "
              "llama.cpp's converter writes to the main GGUF; the vision/audio part is left to "
              "llama.cpp's --mmproj route (convert_hf_to_gguf.py --mmproj, then llama-mtmd-cli "
              "--mmproj), unquantized by Voodoo")
@@ -467,11 +467,16 @@ for hparams in json.loads(sys.stdin.read()):
                    supports_mtp_export=bool(getattr(cls, "supports_mtp_export", False)))
     except NotImplementedError:
         pass
-    try:
-        get_model_class(arch, mmproj=True)
-        out["mmproj"] = True
-    except (NotImplementedError, KeyError):
-        pass
+    # a wrapper whose text_config names its language model (SmolVLM, LFM2-VL): the TEXT
+    # lookup gives that model's class, the wrapper's own name the vision one
+    top = (hparams.get("architectures") or [arch])[0]
+    for a in dict.fromkeys([top, arch]):
+        try:
+            get_model_class(a, mmproj=True)
+            out.update(mmproj=True, mm_architecture=a)
+            break
+        except (NotImplementedError, KeyError):
+            pass
     print("CONVERTER_INFO " + json.dumps(out), flush=True)
 """
 
