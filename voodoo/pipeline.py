@@ -732,6 +732,8 @@ def choose_rounding(ctx: Context, menus, imatrix, cache: CandidateCache, hessian
             df = _dequantized(cache, kf, t, s.n_per_row)
             if kind == "logit_kl":
                 if callable(head_x):
+                    log("rounding choice: the output head's inputs, from a forward pass "
+                        "over held-out tokens")
                     head_x = head_x()
                 hx, hmap = head_x if isinstance(head_x, tuple) else (head_x, None)
                 eg, ef = logit_kl(w, [dg, df], hx, logit_map=hmap)
