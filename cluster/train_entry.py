@@ -47,7 +47,8 @@ def _add_config_flags(p: argparse.ArgumentParser) -> None:
         conv = {int: int, float: float, str: str}.get(base, str)
         p.add_argument(f"--{f.name}", type=(lambda s, c=conv: None if s.lower() == "none"
                                             else c(s)),
-                       default=argparse.SUPPRESS, help=f"TrainConfig.{f.name} (default {f.default})")
+                       default=argparse.SUPPRESS,
+                       help=f"TrainConfig.{f.name} (default {f.default})")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -130,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[voodoo train] run name {args.run_name}", file=sys.stderr, flush=True)
     num_workers = args.num_workers
     if num_workers is None:
-        num_workers = 0 if "RANK" in os.environ else args.tensor_parallel * (args.data_parallel or 1)
+        num_workers = (0 if "RANK" in os.environ
+                       else args.tensor_parallel * (args.data_parallel or 1))
     if num_workers > 0:
         from cluster.session import ensure_ray
         ensure_ray()  # joins RAY_ADDRESS's cluster, or a local Ray that ends with this process

@@ -64,7 +64,8 @@ def round_activations(x: torch.Tensor, cls: str) -> torch.Tensor:
     ``cls`` (:func:`vec_dot_type`), returned dequantized, float32, same shape.
 
     Q8_0: per 32 values, ``d = amax / 127``, ``q = round(x * (1 / d))`` (half away from zero),
-    dequantized with ``fp16(d)`` (``quantize_row_q8_0_ref``). Q8_K: per 256 values, ``iscale = -127 / max`` with ``max`` the
+    dequantized with ``fp16(d)`` (``quantize_row_q8_0_ref``). Q8_K: per 256 values,
+    ``iscale = -127 / max`` with ``max`` the
     value of largest magnitude (sign kept), ``q = min(127, nearest_int(iscale * x))``, ``d =
     1 / iscale`` in float32 (``quantize_row_q8_K_ref``, ``ggml-quants.c``). F16/BF16: a cast.
     Raises ValueError when ``n`` is not a multiple of the block or ``cls`` is unknown."""
@@ -97,7 +98,8 @@ def round_activations(x: torch.Tensor, cls: str) -> torch.Tensor:
 
 
 @torch.no_grad()
-def activation_costs(model: nn.Module, params: Mapping[str, str], classes: Mapping[str, Sequence[str]],
+def activation_costs(model: nn.Module, params: Mapping[str, str],
+                     classes: Mapping[str, Sequence[str]],
                      reference: Mapping[str, str], fisher: Mapping[str, torch.Tensor],
                      blocks: torch.Tensor) -> dict[str, dict[str, float]]:
     """Predicted KL (nats per token) of each activation rounding class for each selectable

@@ -17,7 +17,8 @@ Three steps, all deterministic:
    guardrails, then, only when over the budget, without them (a warning names every tensor
    whose guardrail gave way). Under the budget the guardrails always hold: a total the
    window cannot reach without breaking one stays under it, with a warning. A greedy repair
-   remains as the fallback for windows too narrow for that resolution: while over, the move down with the smallest drop in
+   remains as the fallback for windows too narrow for that resolution: while over, the move
+   down with the smallest drop in
    log-probability per byte saved; while under, the move up with the least loss per byte spent
    that stays under the upper end. Log-probabilities are ``log_softmax(logits / temperature)``.
    (The greedy alone, ranking per byte, demoted the largest tensor first whenever its logits

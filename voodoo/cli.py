@@ -11,6 +11,8 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+from .progress import log
+
 STANDARD_SIZES = tuple(range(25, 81, 5))
 #: ``--n_train_blocks auto`` (the default): as many train blocks as the text holds, up to
 #: this many. Measured on SmolLM2 (docs/method.md, "More calibration text"): 192 blocks of 512
@@ -208,7 +210,6 @@ def _parse_keeping_run_data(ap, argv, adopt=lambda a: True):
             setattr(a, k, v)
     changed = {k: v for k, v in taken.items() if v != defaults[k]}
     if changed:
-        from .pipeline import log
         log("dataset settings not given, taken from the run's data/meta.json: " +
             ", ".join(f"--{k} {v}" for k, v in changed.items()))
     return a
@@ -233,7 +234,6 @@ def _default_rounding(a, specs) -> None:
     memory (a 7B model's: about 44 GB a set). Decided before any journal is compared (the model's
     ``specs`` known, a run folder's data settings taken), so a resumed run compares the same
     settings."""
-    from .pipeline import log
     n_eval = getattr(a, "n_eval_blocks", None) or 0
     if getattr(a, "rounding", None) is not None:
         if a.rounding == "auto" and n_eval <= 0:  # known from the flags: before any stage
@@ -483,9 +483,12 @@ def _check_local_device(a) -> None:
                              "device(s)")
 
 
-def _check_model_gguf(path, flag: str = "--gguf") -> None:
+def _check_model_gguf(path, flag: str = "--gguf",
+                      hint: str = "the model GGUF, e.g. the <name>.gguf that `voodoo export` "
+                                  "wrote") -> None:
     """A GGUF that llama.cpp can load as a model: the file exists, is a GGUF and records
-    ``general.architecture`` (an imatrix or other data GGUF does not). Raises UsageError."""
+    ``general.architecture`` (an imatrix or other data GGUF does not). ``hint`` says what to
+    give instead. Raises UsageError."""
     p = Path(path)
     if not p.is_file():
         raise UsageError(f"{flag} {path}: no such file")
@@ -496,8 +499,7 @@ def _check_model_gguf(path, flag: str = "--gguf") -> None:
         raise UsageError(f"{flag} {path}: not a readable GGUF file ({e})") from None
     if arch is None:
         raise UsageError(f"{flag} {path}: a GGUF without general.architecture, not a model "
-                         "(an imatrix or other data file?); give the model GGUF, e.g. the "
-                         "<name>.gguf that `voodoo export` wrote")
+                         f"(an imatrix or other data file?); give {hint}")
 
 
 def _check_eval_models(a) -> None:
@@ -550,9 +552,9 @@ def _warn_other_model(a, prepared) -> None:
             continue
         ref_sha = ref_sha or _sha256_file(Path(prepared.reference_gguf))
         if sha != ref_sha:
-            print(f"[voodoo] warning: {Path(g).name} was made from {name} (reference sha256 "
-                  f"{sha[:12]}…), not from {prepared.name} ({ref_sha[:12]}…) that it is "
-                  "scored against; its KLD is not about its own model", file=sys.stderr)
+            log(f"warning: {Path(g).name} was made from {name} (reference sha256 "
+                f"{sha[:12]}…), not from {prepared.name} ({ref_sha[:12]}…) that it is "
+                "scored against; its KLD is not about its own model")
 
 
 def _check_inputs_early(a) -> None:
@@ -820,8 +822,7 @@ def _model_arg(a):
         return a.model
     recorded = _recorded_model(a)
     if recorded:
-        print(f"[voodoo] --model not given: using {recorded} (recorded by Voodoo)",
-              file=sys.stderr)
+        log(f"--model not given: using {recorded} (recorded by Voodoo)")
         a.model = recorded
         return recorded
     from .models import default_model
@@ -922,7 +923,8 @@ def _check_not_in_ray_job_copy(d: Path, flag: str = "--output_dir") -> None:
 def _lock_run_folder(out: Path, command: str) -> None:
     """One training command at a time per run folder: an exclusive ``fcntl`` lock on
     ``<out>/.voodoo.lock``, held until the command ends (:func:`main` releases it; the kernel
-    drops it if the process dies, even on SIGKILL). Two runs in one folder share its journal, imatrix and Ray run name, and one
+    drops it if the process dies, even on SIGKILL). Two runs in one folder share its journal,
+    imatrix and Ray run name, and one
     could bake the other's gates. Raises UsageError naming the holder's pid."""
     import fcntl
     path = Path(out) / ".voodoo.lock"
@@ -974,9 +976,10 @@ def _out_dir(a, ctx=None) -> Path:
 
 
 def _check_model_early(model_arg: str) -> None:
-    """Cheap checks of an HF folder before anything is converted or loaded: it is a causal LM
-    (``config.json``) and llama.cpp's pinned converter knows its architecture. Raises ValueError subclasses
-    naming the problem (ModelPreparationError / UnsupportedArchitecture)."""
+    """Cheap checks of --model before anything is converted or loaded: a .gguf is a readable
+    model GGUF (``_check_model_gguf``); an HF folder is a causal LM (``config.json``) whose
+    architecture llama.cpp's pinned converter knows. Raises ValueError subclasses naming the
+    problem (UsageError / ModelPreparationError / UnsupportedArchitecture)."""
     p = Path(os.path.expanduser(str(model_arg)))
     if not p.exists():
         from .models import DEFAULT_MODEL_NAMES, _looks_like_hub_id
@@ -990,16 +993,7 @@ def _check_model_early(model_arg: str) -> None:
                                         "SmolLM2-135M-Instruct Q4_1)")
         return  # a hub id: prepare_model looks in the local HF cache
     if p.is_file() and p.suffix.lower() == ".gguf":
-        from .ggufio import read_gguf
-        try:
-            arch = read_gguf(p).get_field("general.architecture")
-        except Exception:  # noqa: BLE001 - an unreadable one: prepare_model says so
-            return
-        if arch is None:
-            from .models import ModelPreparationError
-            raise ModelPreparationError(
-                f"--model {model_arg}: a GGUF without general.architecture, not a model (an "
-                "imatrix or other data file?); give the model's .gguf or HF folder")
+        _check_model_gguf(p, "--model", hint="the model's .gguf or HF folder")
         return
     if not (p.is_dir() and (p / "config.json").is_file()):
         return  # prepare_model reports other files and non-model folders itself
@@ -1075,7 +1069,6 @@ def _source_type_menus(ctx, menus: dict) -> dict:
     MXFP4), so it is the tensor's exact candidate, as ``llama-quantize``'s ``MXFP4_MOE`` file
     type keeps it. One line says so."""
     from .export import prequantized_tensors
-    from .pipeline import log
     from .quants import build_menu
     pre = {n: t for n, t in prequantized_tensors(ctx.prepared.base_gguf).items() if n in menus}
     if not pre:
@@ -1108,7 +1101,7 @@ def _range_safe_menus(ctx, menus: dict) -> dict:
         return menus
     import numpy as np
 
-    from .pipeline import base_weights, log
+    from .pipeline import base_weights
     from .quants import F16_MAX, range_safe_menu
     w = base_weights(ctx.prepared.base_gguf, names)
     out = dict(menus)
@@ -1207,7 +1200,7 @@ class Run:
         from .agreement import (DEFAULT_PREFLIGHT_CHUNKS, DEFAULT_PREFLIGHT_CTX,
                                 AgreementError, chunk_tokens, preflight)
         from .llamacpp import LlamaCppNotBuilt, tool_path
-        from .pipeline import log, write_json
+        from .pipeline import write_json
         from .provenance import file_sha256
         try:
             tool_path("llama-perplexity")
@@ -1303,7 +1296,6 @@ class Run:
             if not a.imatrix:
                 why = self.stale_imatrix()
                 if why is not None:
-                    from .pipeline import log
                     log(f"{self.out / 'imatrix.gguf'} was not made for this run ({why}); "
                         "rebuilding it")
                     (self.out / "imatrix.gguf").unlink()
@@ -1382,7 +1374,6 @@ class Run:
                 "write llama-quantize's bytes of the same types")
         want = getattr(self.a, "hessian_blocks", None)
         if want and want > len(self.train_blocks):
-            from .pipeline import log
             log(f"--hessian_blocks {want}: the dataset has {len(self.train_blocks)} train "
                 f"blocks; the input Hessians use all {len(self.train_blocks)} (raise "
                 "--n_train_blocks for more)")
@@ -1672,9 +1663,9 @@ class Run:
         from .pipeline import fisher_prior
         teacher.to(cfg.device)  # the Fisher's backward passes run where training will
         if cfg.fisher_blocks > len(self.train_blocks):
-            print(f"[voodoo] note: --fisher_blocks {cfg.fisher_blocks} but the dataset has "
-                  f"{len(self.train_blocks)} train blocks; the Fisher uses all "
-                  f"{len(self.train_blocks)}", file=sys.stderr)
+            log(f"note: --fisher_blocks {cfg.fisher_blocks} but the dataset has "
+                f"{len(self.train_blocks)} train blocks; the Fisher uses all "
+                f"{len(self.train_blocks)}")
         # error-feedback candidates: score them with their input correlation (held-out blocks
         # under --rounding auto, which has them; the fitting blocks under --rounding gptq)
         hs = getattr(self, "heldout_hessians", None)
@@ -1780,7 +1771,6 @@ class Run:
                     k: sorted(v) for k, v in sorted(self.feedback.items())}
             target = self.out / f"{self.stem}.assignment.json"
             if target.exists():
-                from .pipeline import log
                 log(f"{target.name} exists; it is replaced (--output_name NAME keeps both)")
             write_json(target, self.assignment)
             import io
@@ -1876,8 +1866,8 @@ def _doctor(argv):
         from .llamacpp import cache_root
         days = a.prune_cache + 0.0   # -0 reads as 0
         if days < 1 and not a.dry_run:
-            print(f"[voodoo] --prune_cache {days:g}: entries used in the last day go too; a "
-                  "run going on now may lose files it still reads", file=sys.stderr)
+            log(f"--prune_cache {days:g}: entries used in the last day go too; a "
+                "run going on now may lose files it still reads")
         res = prune_cache(cache_root(), days, dry_run=a.dry_run)
         for e in res.removed if a.dry_run else ():
             print(f"  {e.kind:<11} {e.nbytes / 2**20:10.1f} MiB  unused for "
@@ -2000,10 +1990,9 @@ def _train(argv, run_all=False):
     if run_all:
         _check_eval_split_length(a)
         if not a.eval_text and _default_eval_text() is None:
-            print("[voodoo] no --eval_text and no ../shared/data/wikitext-2-raw-test.txt: the "
-                  "final llama-perplexity table will score the held-out eval split of the "
-                  "calibration corpus (--data_name), not WikiText-2", file=sys.stderr,
-                  flush=True)
+            log("no --eval_text and no ../shared/data/wikitext-2-raw-test.txt: the "
+                "final llama-perplexity table will score the held-out eval split of the "
+                "calibration corpus (--data_name), not WikiText-2")
     from .bake import parse_tensor_upgrades
     rules = parse_tensor_upgrades(a.tensor_upgrades)  # malformed JSON / regex: fail now
     r = Run(a)
@@ -2136,9 +2125,9 @@ def _assignment_run_folder(a) -> None:
     rec = asg.get("model")
     if getattr(a, "model", None) and rec and \
             Path(str(a.model)).expanduser().resolve() != Path(str(rec)).expanduser().resolve():
-        print(f"[voodoo] warning: {Path(a.assignment).name} was trained on {rec}, not on --model "
-              f"{a.model}: its types are applied to the latter's weights (leave --model out to "
-              "use the recorded model)", file=sys.stderr)
+        log(f"warning: {Path(a.assignment).name} was trained on {rec}, not on --model "
+            f"{a.model}: its types are applied to the latter's weights (leave --model out to "
+            "use the recorded model)")
 
 
 def _gguf_run_folder(a) -> None:
@@ -2149,8 +2138,8 @@ def _gguf_run_folder(a) -> None:
         d = Path(g).expanduser().resolve().parent
         if (d / "data" / "meta.json").is_file() or any(d.glob("*.assignment.json")):
             a.output_dir = str(d)
-            print(f"[voodoo] run folder: {d} (the folder of {Path(g).name}; --output_dir "
-                  "chooses another)", file=sys.stderr)
+            log(f"run folder: {d} (the folder of {Path(g).name}; --output_dir "
+                "chooses another)")
             return
 
 
@@ -2266,7 +2255,6 @@ def _use_assignment_rounding(a, asg, r=None) -> None:
             asg.get("rounding_feedback") is not None:
         r.saved_feedback = asg["rounding_feedback"]
     if a.rounding is not None and a.rounding != made:
-        from .pipeline import log
         log(f"{Path(a.assignment).name} was trained on --rounding {made} candidates; its types "
             f"are written with --rounding {a.rounding} bytes as asked (leave --rounding out to "
             f"write the very bytes its gates chose between)")
@@ -2402,9 +2390,8 @@ def _eval(argv):
         rec = _recorded_eval_text(a.gguf)
         if rec is not None:
             a.eval_text = str(rec)
-            print(f"[voodoo] no --eval_text: measuring on {rec}, the text `voodoo run` scored "
-                  "this run folder's report on (--eval_text FILE for another)",
-                  file=sys.stderr, flush=True)
+            log(f"no --eval_text: measuring on {rec}, the text `voodoo run` scored "
+                "this run folder's report on (--eval_text FILE for another)")
     if a.gguf:
         _check_eval_split_length(a)
     from .evaluate import format_table, run_perplexity, save_report
@@ -2472,16 +2459,15 @@ def _recorded_eval_text(ggufs) -> Path | None:
     except (OSError, ValueError, KeyError, TypeError):
         return None
     if not p.is_file():
-        print(f"[voodoo] the text `voodoo run` scored this folder on, {p}, is gone; pass "
-              "--eval_text to score it (or another text) again", file=sys.stderr, flush=True)
+        log(f"the text `voodoo run` scored this folder on, {p}, is gone; pass "
+            "--eval_text to score it (or another text) again")
         return None
     if rec.get("sha256"):
         from .fsutil import sha256_file
         if sha256_file(p) != rec["sha256"]:
-            print(f"[voodoo] warning: {p} has changed since `voodoo run` scored this folder on "
-                  "it (its sha256 differs from eval/eval-text.json), so these numbers will not "
-                  "match eval/report.md; pass --eval_text to choose the text explicitly",
-                  file=sys.stderr, flush=True)
+            log(f"warning: {p} has changed since `voodoo run` scored this folder on "
+                "it (its sha256 differs from eval/eval-text.json), so these numbers will not "
+                "match eval/report.md; pass --eval_text to choose the text explicitly")
     return p
 
 
@@ -2505,9 +2491,8 @@ def _write_eval_split(r) -> Path:
     atomic_write_text(text, llama_join(r.ctx.prepared.base_gguf,
                                        (r.ctx.tokenizer.decode(b) for b in r.eval_blocks),
                                        "the eval split"))
-    print(f"[voodoo] no --eval_text and no ../shared/data/wikitext-2-raw-test.txt: measuring on "
-          f"the eval split of {r.a.data_name} ({len(r.eval_blocks)} blocks), {text}",
-          file=sys.stderr, flush=True)
+    log(f"no --eval_text and no ../shared/data/wikitext-2-raw-test.txt: measuring on "
+        f"the eval split of {r.a.data_name} ({len(r.eval_blocks)} blocks), {text}")
     return text
 
 

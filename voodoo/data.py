@@ -10,7 +10,8 @@ Documents are split into train and eval **by document** (by article for the buil
 an order fixed by ``seed``: the shuffled documents fill the eval blocks first, the rest fill the
 train blocks. A source with too few documents for that (eval would take them all, e.g. a plain
 ``.txt`` that is one document) is split by tokens instead, with a warning: eval takes the last
-tokens of the stream, train the tokens before them (``meta.json``'s ``split``). Inside each split, documents are tokenized without special tokens, concatenated
+tokens of the stream, train the tokens before them (``meta.json``'s ``split``). Inside each
+split, documents are tokenized without special tokens, concatenated
 with EOS between documents and cut into blocks of ``seq_len`` (the remainder is dropped). No BOS
 is inserted; a block may start in the middle of a document.
 
@@ -49,6 +50,8 @@ from typing import Iterable, Iterator, Sequence
 import numpy as np
 import torch
 
+from voodoo.fsutil import atomic_write_bytes as _atomic_write_bytes
+from voodoo.fsutil import sha256_file as _sha256_file
 from voodoo.llamacpp import cache_root
 
 #: The built-in calibration corpus.
@@ -71,8 +74,6 @@ class DatasetError(RuntimeError):
 
 
 # ------------------------------------------------------------------------------ file helpers
-from .fsutil import atomic_write_bytes as _atomic_write_bytes  # noqa: E402
-from .fsutil import sha256_file as _sha256_file  # noqa: E402
 
 
 def _atomic_torch_save(obj, path: Path) -> None:
@@ -359,7 +360,8 @@ def read_documents(source: str | os.PathLike) -> tuple[list[str], str]:
     if s == DEFAULT_SOURCE:
         path = fetch_enwiki()
         docs = [text for _, text in iter_wiki_articles(path)]
-        desc = f"enwiki (gensim=={GENSIM_VERSION}:{Path(ENWIKI_MEMBER).name}, sha256 {ENWIKI_SHA256})"
+        desc = (f"enwiki (gensim=={GENSIM_VERSION}:{Path(ENWIKI_MEMBER).name}, "
+                f"sha256 {ENWIKI_SHA256})")
     else:
         check_source(s)
         p = Path(s).expanduser()

@@ -175,8 +175,6 @@ def _tail(text: str, n: int = 25) -> str:
 _HASHES: dict[tuple, str] = {}
 
 
-
-
 def _sha256_file(path: Path) -> str:
     st = path.stat()
     key = (str(path.resolve()), st.st_size, st.st_mtime_ns)

@@ -26,6 +26,7 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter, LlamaFileType
 
 from .ggufio import read_gguf
+from .progress import log
 from .quants import fallback_type, nearest_ftype, qtype
 
 __all__ = [
@@ -397,10 +398,9 @@ def record_model(prepared, sha256: str | None = None) -> str:
              "reference_gguf": str(Path(prepared.reference_gguf).resolve()),
              "source": prepared.source}, indent=1) + "\n")
     except OSError as e:
-        import sys
-        print(f"[voodoo] warning: cannot record which model sha256 {sha[:12]}… is in "
-              f"{_index_dir()} ({e.strerror or e}); `voodoo eval --gguf`/`chat --reference` "
-              "will then need --model", file=sys.stderr, flush=True)
+        log(f"warning: cannot record which model sha256 {sha[:12]}… is in "
+            f"{_index_dir()} ({e.strerror or e}); `voodoo eval --gguf`/`chat --reference` "
+            "will then need --model")
     return model_id(prepared.name, sha)
 
 

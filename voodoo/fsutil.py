@@ -9,8 +9,9 @@ import os
 import tempfile
 from pathlib import Path
 
-__all__ = ["sha256_file", "written_record", "changed_since_written", "atomic_write_bytes", "atomic_write_text", "file_mode",
-           "file_in_the_way", "is_disk_full", "no_space_message"]
+__all__ = ["sha256_file", "written_record", "changed_since_written", "atomic_write_bytes",
+           "atomic_write_text", "file_mode", "file_in_the_way", "is_disk_full",
+           "no_space_message"]
 
 
 def _umask_mode() -> int:

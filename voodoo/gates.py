@@ -581,7 +581,8 @@ class ParamGates(nn.Module):
         super().__init__()
         self.mixed = nn.ModuleDict({_key(n): mw for n, mw in mixed.items()})
         self.base = nn.Module()
-        self._plan = []          # [(param name, shape, transpose, dtype, owners, [(gguf, link)], full)]
+        # [(param name, shape, transpose, dtype, owners, [(gguf, link)], full)]
+        self._plan = []
         names: dict[int, str] = {}
         for pname, p, own, t, view, links, full, simple in param_links(model, tmap, mixed,
                                                                        "gate"):

@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import hashlib
 import os
-import sys
 from pathlib import Path
 from typing import Iterable
+
+from .progress import log
 
 __all__ = ["untokenizable", "readable_text", "llama_join", "text_note", "UnreadableTextError",
            "MIN_READABLE"]
@@ -104,9 +105,9 @@ def _say(what: str, bad: list[str]) -> None:
     if what in _SAID:  # once per text and process (a table scores several files on it)
         return
     _SAID.add(what)
-    print(f"[voodoo] {what}: llama.cpp's tokenizer cannot read {len(bad)} character(s) with "
-          f"this model's vocabulary (SentencePiece without byte tokens), so they are replaced "
-          f"by spaces: {_shown(bad)}", file=sys.stderr, flush=True)
+    log(f"{what}: llama.cpp's tokenizer cannot read {len(bad)} character(s) with "
+        f"this model's vocabulary (SentencePiece without byte tokens), so they are replaced "
+        f"by spaces: {_shown(bad)}")
 
 
 def _nonspace(text: str) -> int:

@@ -32,10 +32,13 @@ from typing import Sequence
 
 import numpy as np
 
+from .fsutil import sha256_file  # re-exported: voodoo.models.sha256_file
 from .llamacpp import cache_root, llama_cpp_commit, source_dir
+from .progress import room_log
 
 __all__ = [
-    "PreparedModel", "prepare_model", "load_hf_model", "dequantizing_config", "default_model", "make_tiny_model",
+    "PreparedModel", "prepare_model", "load_hf_model", "dequantizing_config", "default_model",
+    "make_tiny_model",
     "gguf_to_f32", "convert_hf_to_f32_gguf", "ModelPreparationError", "sha256_file",
     "DEFAULT_MODEL_WHEEL", "model_name_from_path", "converter_info", "converter_flags",
     "converter_options", "converter_command",
@@ -86,13 +89,7 @@ DEFAULT_MODEL_NAMES = {"default", "smollm2-135m-instruct", "smollm2-135m-instruc
 _QUANT_SUFFIX = re.compile(
     r"[.\-_](?:I?Q\d[\w]*|F16|F32|BF16|f16|f32|bf16|MXFP4\w*)$", re.IGNORECASE)
 
-
-from .progress import room_log  # noqa: E402
-
 _log = room_log("models")
-
-
-from .fsutil import sha256_file  # noqa: E402  (re-exported: voodoo.models.sha256_file)
 
 
 def model_name_from_path(path: str | os.PathLike) -> str:
@@ -431,7 +428,8 @@ def _prepare_hf_dir(d: Path, work_dir, name: str | None = None,
     info = converter_info(cfg)           # fails early, naming the architecture, if unknown
     _check_causal_lm(d, converter_text_model=info["supported"])
     if info["mmproj"]:
-        _log(f"{info.get('mm_architecture') or info['architecture']} is multimodal: Voodoo quantizes the language model that "
+        _log(f"{info.get('mm_architecture') or info['architecture']} is multimodal: Voodoo "
+             "quantizes the language model that "
              "llama.cpp's converter writes to the main GGUF; the vision/audio part is left to "
              "llama.cpp's --mmproj route (convert_hf_to_gguf.py --mmproj, then llama-mtmd-cli "
              "--mmproj), unquantized by Voodoo")
@@ -756,8 +754,8 @@ def _converter_reason(hf_dir: Path, log: str) -> str:
                "config.json, and this config.json has none of them (transformers 5 leaves out "
                f"some legacy keys when it saves a config): add \"{keys[0]}\" with the model's "
                f"value to {hf_dir / 'config.json'}")
-    elif key and (rp := re.search(r"rope_parameters\[(['\"])" + re.escape(key.group(2))
-                                  + r"\1\]", tail)):
+    elif key and re.search(r"rope_parameters\[(['\"])" + re.escape(key.group(2)) + r"\1\]",
+                           tail):
         why = (f"llama.cpp's converter reads {key.group(2)!r} of the rope parameters (the "
                "config.json keys rope_scaling / rope_parameters), and this config.json has no "
                f"such entry: add \"{key.group(2)}\" with the model's value to its rope_scaling "

@@ -41,8 +41,6 @@ __all__ = [
 ]
 
 
-
-
 class Timer:
     """Wall time per stage, for the closing table of ``voodoo run``."""
 
@@ -301,9 +299,9 @@ def ensure_dataset(ctx: Context, data_dir, source="enwiki", seq_len=512, n_train
                    n_eval=8, seed=0, up_to=False):
     """Loads ``data_dir`` if it holds a dataset with ``seq_len`` and enough blocks, else builds
     it (:func:`voodoo.data.build_dataset`); a folder built from a local text file that has
-    changed since (its sha256 in meta.json) is rebuilt. ``up_to``: ``n_train`` is a cap (as many train
-    blocks as the text holds, up to it; a folder built that way with the same cap, or one with
-    at least that many, is reused), else a demand. Returns (train, eval, meta)."""
+    changed since (its sha256 in meta.json) is rebuilt. ``up_to``: ``n_train`` is a cap (as
+    many train blocks as the text holds, up to it; a folder built that way with the same cap,
+    or one with at least that many, is reused), else a demand. Returns (train, eval, meta)."""
     from .data import DatasetError, build_dataset, load_dataset_dir
     data_dir = Path(data_dir)
     want = int(n_train)
@@ -1158,7 +1156,8 @@ class StudentFactory:
     ``dtype``: candidates' dtype (None: ``info.cfg.dtype``). ``budget``: bytes (None: from the
     TrainConfig). ``hessians``: the ``.npz`` of :func:`ensure_hessians` for error-feedback
     candidates, ``feedback``: :func:`choose_rounding`'s pairs (``--rounding auto``; None: every
-    candidate of a tensor with a Hessian). ``lazy``: candidates held as ggml bytes (:func:`build_student`'s ``lazy``;
+    candidate of a tensor with a Hessian). ``lazy``: candidates held as ggml bytes
+    (:func:`build_student`'s ``lazy``;
     with tensor parallelism :func:`build_student_tp`'s: a rank keeps only its shard's
     blocks; the Q8_0 teacher is held lazily only without tensor parallelism).
 

@@ -34,7 +34,8 @@ import numpy as np
 
 __all__ = ["inverse_hessian_cholesky", "gptq_blocks", "gptq_columns", "grid_scales",
            "quantize_feedback",
-           "proxy_error", "logit_kl", "LogitMap", "fit_logit_map", "validate_rows", "refine_columns", "COLUMN_TYPES",
+           "proxy_error", "logit_kl", "LogitMap", "fit_logit_map", "validate_rows",
+           "refine_columns", "COLUMN_TYPES",
            "GRID_TYPES", "REFINE_TYPES"]
 
 #: kvalues_iq4nl (ggml-common.h)

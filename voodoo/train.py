@@ -34,7 +34,6 @@ import dataclasses
 import json
 import os
 import random
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,6 +46,7 @@ from torch import nn
 from voodoo.budget import budget_bpw, budget_bytes, check_reachable, size_penalty
 from voodoo.gates import (GATE_INITS, gate_parameters, gate_state, init_gates, load_gate_state,
                           mixed_weights, model_expected_bytes, set_temperature)
+from voodoo.progress import log
 
 __all__ = [
     "TrainConfig", "TrainResult", "CorruptJournalError", "CONFIG_VERSION", "JOURNAL_NAME",
@@ -491,12 +491,10 @@ def train_gates(student: nn.Module, teacher, train_blocks: torch.Tensor, cfg: Tr
         _set_rng_state(st["rng"])
         step, history = int(st["step"]), list(st["history"])
         if progress and rank == 0 and step < cfg.max_steps:
-            print(f"[voodoo] resuming from {journal}: step {step} of {cfg.max_steps} done",
-                  file=sys.stderr, flush=True)
+            log(f"resuming from {journal}: step {step} of {cfg.max_steps} done")
         elif progress and rank == 0:
-            print(f"[voodoo] gate training already finished ({journal}: step {step} of "
-                  f"{cfg.max_steps}); its gates are reused (a fresh --output_dir trains anew)",
-                  file=sys.stderr, flush=True)
+            log(f"gate training already finished ({journal}: step {step} of "
+                f"{cfg.max_steps}); its gates are reused (a fresh --output_dir trains anew)")
     else:
         start_gates(mws, cfg, budget, init_logits, student=student, teacher=teacher,
                     blocks=train_blocks)
@@ -550,9 +548,8 @@ def train_gates(student: nn.Module, teacher, train_blocks: torch.Tensor, cfg: Tr
                 bar.close()
                 bar = None
             save(last)
-            print(f"[voodoo] interrupted: the journal {journal} holds step {last['step']} of "
-                  f"{cfg.max_steps}; rerun the same command to continue from there",
-                  file=sys.stderr, flush=True)
+            log(f"interrupted: the journal {journal} holds step {last['step']} of "
+                f"{cfg.max_steps}; rerun the same command to continue from there")
         raise
     finally:
         if bar is not None:
@@ -561,10 +558,10 @@ def train_gates(student: nn.Module, teacher, train_blocks: torch.Tensor, cfg: Tr
         set_temperature(student, temperature_at(max(step - 1, 0), cfg))
         expected = float(model_expected_bytes(student))
     if progress and step > 0:
-        print(f"[voodoo] gate training: {step} steps; after the last update the soft gates' "
-              f"expected size is {expected / budget:.4f} of the budget (the bar's size= is "
-              "each step's before its update; the size penalty is zero within "
-              f"±{cfg.size_tolerance:g}); bake then picks one type per tensor and lands the "
-              "file within its tolerance of the budget", file=sys.stderr, flush=True)
+        log(f"gate training: {step} steps; after the last update the soft gates' "
+            f"expected size is {expected / budget:.4f} of the budget (the bar's size= is "
+            "each step's before its update; the size penalty is zero within "
+            f"±{cfg.size_tolerance:g}); bake then picks one type per tensor and lands the "
+            "file within its tolerance of the budget")
     return TrainResult(gate_state(student), step, step >= cfg.max_steps, int(budget), expected,
                        history)
