@@ -17,8 +17,10 @@ them: gloo on CPU, NCCL on GPU). Each worker:
    data-parallel replicas (one flat all-reduce); the tensor-parallel sum is done in backward
    (:mod:`cluster.tp`);
 4. reports :data:`voodoo.train.METRICS` (+ ``step``, ``expected_bytes``, ``budget_bytes``)
-   with ``ray.train.report`` every ``report_every`` steps, with a checkpoint every
-   ``checkpoint_every`` steps and at the end -- every rank, equally often (a barrier);
+   with ``ray.train.report`` every ``report_every`` steps (:func:`run_training`'s default,
+   ``"auto"``: as many steps as take Ray Train's 2 s report interval, since a report made
+   sooner waits for the controller), with a checkpoint every ``checkpoint_every`` steps and at
+   the end -- every rank, equally often (a barrier);
 5. resumes from the newest complete checkpoint of the run (same ``storage_path`` and
    ``run_name``; below).
 
@@ -62,6 +64,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import re
 import shlex
@@ -283,6 +286,37 @@ def _barrier(world: int):
         dist.barrier()
 
 
+def report_poll_seconds() -> float:
+    """How often Ray Train V2's controller takes in a worker's report: every
+    ``RAY_TRAIN_HEALTH_CHECK_INTERVAL_S`` seconds (2.0 by default in Ray 2.60,
+    ``ray.train.v2._internal.constants``). A worker's ``ray.train.report`` puts its result on a
+    queue of size 1 (``worker_group/worker.py``), so a second report within that time blocks
+    until the first is taken in: reporting every 0.2 s step made a GPU run take 2 s a step
+    (``benchmarks/results/gpu_cli/run4``)."""
+    try:
+        return max(float(os.environ.get("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", 2.0)), 0.0)
+    except ValueError:
+        return 2.0
+
+
+def _report_interval(step_seconds: float, ckpt_every: int, world: int, device=None) -> int:
+    """``report_every="auto"``: report every k steps, k the fewest steps that take at least
+    :func:`report_poll_seconds` (at least 1, at most ``ckpt_every``: a checkpoint reports
+    anyway), from this rank's step time; the largest k over the ranks, so every rank reports
+    equally often (``ray.train.report`` is a barrier)."""
+    poll = report_poll_seconds()
+    k = 1 if step_seconds <= 0 or poll <= 0 else math.ceil(poll / step_seconds)
+    k = max(1, min(int(k), max(1, int(ckpt_every))))
+    if world > 1 and dist.is_initialized():
+        t = torch.tensor([k], dtype=torch.int64)
+        if dist.get_backend() == "nccl":
+            t = t.to(device if device is not None and torch.device(device).type == "cuda"
+                     else "cuda")
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        k = int(t.item())
+    return k
+
+
 def load_checkpoint_state(path: str | os.PathLike) -> dict:
     """The ``state.pt`` of a checkpoint folder (config, step, gates, history, budget_bytes).
     Raises FileNotFoundError when the folder has none."""
@@ -463,7 +497,8 @@ def run_loop(config: dict, backend) -> dict:
     config keys: ``factory`` (picklable ``factory(WorkerInfo) -> StudentJob``), ``cfg``
     (TrainConfig dict), ``tensor_parallel`` (int), ``use_gpu``, ``device_map`` (list or None),
     ``checkpoint_every`` (steps, default ``cfg.partial_save_interval``), ``report_every``
-    (steps, 1), ``stop_after`` (steps or None), ``step_hook`` (``hook(step, info, student)``
+    (steps, default 1; ``"auto"``: after the second step, as many steps as take Ray Train's
+    report interval, :func:`_report_interval`), ``stop_after`` (steps or None), ``step_hook`` (``hook(step, info, student)``
     after each step, or None), ``shared`` (object or ObjectRef), ``local_dir`` (in-process
     runs: where checkpoints are written), ``run_dir`` (the run's storage folder, scanned for
     the newest complete checkpoint; default ``local_dir``), ``num_to_keep``,
@@ -623,7 +658,9 @@ def run_loop(config: dict, backend) -> dict:
             torch.manual_seed(cfg.seed)
 
     ckpt_every = int(config.get("checkpoint_every") or cfg.partial_save_interval)
-    report_every = int(config.get("report_every") or 1)
+    report_every = config.get("report_every") or 1
+    auto_report = report_every == "auto"
+    report_every = 1 if auto_report else int(report_every)
     stop_after = config.get("stop_after")
     end = cfg.max_steps if stop_after is None else min(cfg.max_steps, int(stop_after))
     hook = config.get("step_hook")
@@ -691,6 +728,7 @@ def run_loop(config: dict, backend) -> dict:
         else:
             save_and_report(last)
         return final()
+    first = step
     while step < end:
         idx = batch_indices(step, len(job.train_blocks), cfg.batch_size, cfg.seed)[dp_rank::dp]
         ids = job.train_blocks[idx].to(input_device)
@@ -704,6 +742,8 @@ def run_loop(config: dict, backend) -> dict:
         m["tokens_per_s"] = ids.numel() * dp / m["step_seconds"]
         history.append(m)
         step += 1
+        if auto_report and step == first + 2:   # the second step of this process: compiled
+            report_every = _report_interval(m["step_seconds"], ckpt_every, world, device)
         if step % ckpt_every == 0 or step == end:
             save_and_report(m)
         elif step % report_every == 0:
@@ -871,7 +911,7 @@ def run_training(factory: Callable[[WorkerInfo], StudentJob], cfg: TrainConfig, 
                  storage_path: str | os.PathLike | None = None, max_failures: int = 0,
                  num_to_keep: int = 2, device_map: str | list | None = None,
                  resources_per_worker: dict | None = None, checkpoint_every: int | None = None,
-                 report_every: int = 1, stop_after: int | None = None,
+                 report_every: int | str = "auto", stop_after: int | None = None,
                  step_hook: Callable | None = None, shared: Any = None,
                  callbacks: list | None = None, report_objective: bool = False,
                  init_logits: dict | None = None,

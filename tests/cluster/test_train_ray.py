@@ -198,3 +198,40 @@ def test_rerun_after_more_checkpoints_than_kept(tmp_path, reference, ray_up):
     assert again.finished and again.step == 6
     _same_gates(again.gates, first.gates)
     assert (runs / "again" / (RAY_SNAPSHOT + ".pruned")).is_file()
+
+
+class _CountingBackend:
+    """run_loop's backend for one rank with no Ray: records the step of every report."""
+
+    def __init__(self):
+        self.steps = []
+
+    def world(self):
+        return 0, 1
+
+    def get_checkpoint(self):
+        return None
+
+    def report(self, metrics, checkpoint_dir=None, name=None):
+        self.steps.append((int(metrics["step"]), checkpoint_dir is not None))
+
+
+@pytest.mark.parametrize("poll, expected", [
+    ("0", [(1, False), (2, False), (3, False), (4, True), (5, False), (6, True)]),
+    # a report interval longer than any step: past step 2, reports only with checkpoints
+    ("1000", [(1, False), (4, True), (6, True)]),
+])
+def test_auto_report_interval_reports_less_often_than_ray_takes_reports(
+        tmp_path, monkeypatch, poll, expected):
+    """``report_every="auto"`` (run_training's default): after the second step a worker reports
+    only every k steps, k the steps that take Ray Train's report interval
+    (RAY_TRAIN_HEALTH_CHECK_INTERVAL_S), since a report made sooner blocks the worker until the
+    controller takes the last one in; checkpoints and the last step still report."""
+    from cluster.train import run_loop
+    monkeypatch.setenv("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", poll)
+    b = _CountingBackend()
+    out = run_loop({"factory": TinyLlamaFactory(), "cfg": _cfg().to_dict(),
+                    "local_dir": str(tmp_path), "checkpoint_every": 4,
+                    "report_every": "auto"}, b)
+    assert out["step"] == 6
+    assert b.steps == expected
