@@ -123,13 +123,27 @@ def set_one_hot(student, assignment: dict, big: float = 1.0e4) -> None:
         m.logits.copy_(z)
 
 
+def _input_device(model: torch.nn.Module) -> torch.device:
+    """Where ``model``'s input ids must be: its input embedding's device (the first layer of a
+    model spread over devices), else its first parameter's, else the CPU."""
+    try:
+        emb = model.get_input_embeddings()
+        return next(emb.parameters()).device
+    except (AttributeError, NotImplementedError, StopIteration, TypeError):
+        pass
+    p = next(model.parameters(), None)
+    return p.device if p is not None else torch.device("cpu")
+
+
 @torch.no_grad()
 def eval_kl(student, teacher, blocks: torch.Tensor, batch_size: int = 4) -> float:
-    """Mean KL(teacher || student) per token in nats over ``blocks`` (M, T) int64, both models
-    on the blocks' device (:func:`voodoo.train.distill_losses`)."""
+    """Mean KL(teacher || student) per token in nats over ``blocks`` (M, T) int64
+    (:func:`voodoo.train.distill_losses`); each batch goes to the device of the student's
+    input embedding (a GPU trial's blocks stay on the CPU, as its training batches do)."""
+    dev = _input_device(student)
     tot, n = 0.0, 0
     for i in range(0, len(blocks), batch_size):
-        ids = blocks[i:i + batch_size]
+        ids = blocks[i:i + batch_size].to(dev)
         s = student(input_ids=ids, use_cache=False).logits
         t = teacher(input_ids=ids, use_cache=False).logits if isinstance(teacher, torch.nn.Module) \
             else teacher(ids)
@@ -430,7 +444,13 @@ def _print_table(rows: list[dict], params: list[str]) -> None:
         status = ("error" if r["error"] else "done" if r["finished"] and r["ok"]
                   else "over budget" if r["finished"] else "stopped (ASHA)")
         obj = "-" if r[OBJECTIVE] is None else f"{r[OBJECTIVE]:.6g}"
+        if r[OBJECTIVE] is not None and not r["finished"]:
+            obj += "*"   # a training step's kl + penalty, not a baked assignment's KL
         lines.append([str(r["trial_id"]), *(f"{r[k]:.4g}" for k in params), obj, ratio, status])
     widths = [max(len(row[i]) for row in lines) for i in range(len(head))]
     for row in lines:
         print("  ".join(c.ljust(w) for c, w in zip(row, widths)))
+    if any(r[OBJECTIVE] is not None and not r["finished"] for r in rows):
+        print(f"* the {OBJECTIVE} of the trial's last training step (KL on its batch + size "
+              "penalty, soft gates); a finished trial's is the baked assignment's KL on the "
+              "eval blocks, and only those are ranked")

@@ -43,6 +43,27 @@ def test_evaluate_assignment_counts_a_missed_budget_as_failure():
     assert not bad["ok"] and bad["objective"] == FAIL_OBJECTIVE
 
 
+def test_eval_kl_feeds_the_blocks_to_the_device_of_the_students_embedding():
+    """A GPU trial keeps its token blocks on the CPU (its training batches are moved per step),
+    so its evaluation moves each batch to the student's input-embedding device (the H100 run
+    that found it: benchmarks/results/gpu_cli/README.md, run4). No second device here: the
+    device is read off a model built on the meta device, and a module without embeddings."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from cluster.tune import _input_device, eval_kl
+    job = TinyLlamaFactory()(WorkerInfo())
+    assert _input_device(job.student) == torch.device("cpu")
+    with torch.device("meta"):
+        m = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64,
+                                         num_hidden_layers=1, num_attention_heads=2,
+                                         vocab_size=64))
+    assert _input_device(m).type == "meta"
+    assert _input_device(torch.nn.Linear(2, 2, device="meta")).type == "meta"
+    kl = eval_kl(job.student, job.teacher, job.eval_blocks)
+    assert 0 <= kl < 10
+
+
 def test_evaluate_assignment_bakes_as_the_export_does():
     """``bake_options`` reach the bake the objective scores: with the run's fill costs the
     bytes the gates leave under the budget are spent (what ``voodoo tune --export`` and
