@@ -64,11 +64,11 @@ def round_activations(x: torch.Tensor, cls: str) -> torch.Tensor:
     ``cls`` (:func:`vec_dot_type`), returned dequantized, float32, same shape.
 
     Q8_0: per 32 values, ``d = amax / 127``, ``q = round(x * (1 / d))`` (half away from zero),
-    dequantized with ``fp16(d)`` (``quantize_row_q8_0_ref``). Q8_K: per 256 values,
-    ``iscale = -127 / max`` with ``max`` the
-    value of largest magnitude (sign kept), ``q = min(127, nearest_int(iscale * x))``, ``d =
-    1 / iscale`` in float32 (``quantize_row_q8_K_ref``, ``ggml-quants.c``). F16/BF16: a cast.
-    Raises ValueError when ``n`` is not a multiple of the block or ``cls`` is unknown."""
+    dequantized with ``fp16(d)`` (``quantize_row_q8_0_ref``). Q8_K: per 256 values, ``iscale = -127
+    / max`` with ``max`` the value of largest magnitude (sign kept), ``q = min(127,
+    nearest_int(iscale * x))``, ``d = 1 / iscale`` in float32 (``quantize_row_q8_K_ref``,
+    ``ggml-quants.c``). F16/BF16: a cast. Raises ValueError when ``n`` is not a multiple of the
+    block or ``cls`` is unknown."""
     x = x.float()
     if cls == "F32":
         return x

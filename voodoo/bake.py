@@ -11,18 +11,17 @@ Three steps, all deterministic:
    it, by the repair step -- unless the budget cannot be met otherwise. A later rule that
    matches a tensor again replaces the earlier rule's guardrail.
 3. **repair** to the budget, when the argmax total is outside ``budget * (1 -/+ tolerance)``:
-   the assignment of largest total gate log-probability whose total lies inside that window,
-   found exactly by dynamic programming over bytes (a multiple-choice knapsack; sizes in units
-   of about budget/200,000 bytes, rounded so the true total stays inside), first within the
-   guardrails, then, only when over the budget, without them (a warning names every tensor
-   whose guardrail gave way). Under the budget the guardrails always hold: a total the
-   window cannot reach without breaking one stays under it, with a warning. A greedy repair
-   remains as the fallback for windows too narrow for that resolution: while over, the move
-   down with the smallest drop in
-   log-probability per byte saved; while under, the move up with the least loss per byte spent
-   that stays under the upper end. Log-probabilities are ``log_softmax(logits / temperature)``.
-   (The greedy alone, ranking per byte, demoted the largest tensor first whenever its logits
-   were close, even when the trained gates clearly preferred keeping it.)
+   the assignment of largest total gate log-probability whose total lies inside that window, found
+   exactly by dynamic programming over bytes (a multiple-choice knapsack; sizes in units of about
+   budget/200,000 bytes, rounded so the true total stays inside), first within the guardrails, then,
+   only when over the budget, without them (a warning names every tensor whose guardrail gave way).
+   Under the budget the guardrails always hold: a total the window cannot reach without breaking one
+   stays under it, with a warning. A greedy repair remains as the fallback for windows too narrow
+   for that resolution: while over, the move down with the smallest drop in log-probability per byte
+   saved; while under, the move up with the least loss per byte spent that stays under the upper
+   end. Log-probabilities are ``log_softmax(logits / temperature)``. (The greedy alone, ranking per
+   byte, demoted the largest tensor first whenever its logits were close, even when the trained
+   gates clearly preferred keeping it.)
 
 5. **fill** (only given ``fill_costs``, e.g. the Fisher prior's predicted KL per type): bytes
    still left under the budget are spent on the upgrades that lower the summed cost most

@@ -922,10 +922,10 @@ def _check_not_in_ray_job_copy(d: Path, flag: str = "--output_dir") -> None:
 
 def _lock_run_folder(out: Path, command: str) -> None:
     """One training command at a time per run folder: an exclusive ``fcntl`` lock on
-    ``<out>/.voodoo.lock``, held until the command ends (:func:`main` releases it; the kernel
-    drops it if the process dies, even on SIGKILL). Two runs in one folder share its journal,
-    imatrix and Ray run name, and one
-    could bake the other's gates. Raises UsageError naming the holder's pid."""
+    ``<out>/.voodoo.lock``, held until the command ends (:func:`main` releases it; the kernel drops
+    it if the process dies, even on SIGKILL). Two runs in one folder share its journal, imatrix and
+    Ray run name, and one could bake the other's gates. Raises UsageError naming the holder's
+    pid."""
     import fcntl
     path = Path(out) / ".voodoo.lock"
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)

@@ -6,14 +6,14 @@ A dataset folder holds::
     eval.pt     torch.LongTensor (n_eval, seq_len)    token ids, from documents disjoint from train
     meta.json   tokenizer (name, vocab size, hash), source, seed, counts, sha256 of both .pt files
 
-Documents are split into train and eval **by document** (by article for the built-in corpus), in
-an order fixed by ``seed``: the shuffled documents fill the eval blocks first, the rest fill the
-train blocks. A source with too few documents for that (eval would take them all, e.g. a plain
-``.txt`` that is one document) is split by tokens instead, with a warning: eval takes the last
-tokens of the stream, train the tokens before them (``meta.json``'s ``split``). Inside each
-split, documents are tokenized without special tokens, concatenated
-with EOS between documents and cut into blocks of ``seq_len`` (the remainder is dropped). No BOS
-is inserted; a block may start in the middle of a document.
+Documents are split into train and eval **by document** (by article for the built-in corpus), in an
+order fixed by ``seed``: the shuffled documents fill the eval blocks first, the rest fill the train
+blocks. A source with too few documents for that (eval would take them all, e.g. a plain ``.txt``
+that is one document) is split by tokens instead, with a warning: eval takes the last tokens of the
+stream, train the tokens before them (``meta.json``'s ``split``). Inside each split, documents are
+tokenized without special tokens, concatenated with EOS between documents and cut into blocks of
+``seq_len`` (the remainder is dropped). No BOS is inserted; a block may start in the middle of a
+document.
 
 Sources (``build_dataset(source=...)``):
 

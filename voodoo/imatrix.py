@@ -220,11 +220,10 @@ def write_imatrix_gguf(path: str | os.PathLike, sums: Mapping[str, np.ndarray],
     ``counts[name]``: tokens seen, int (or ``(n_mat,)``). ``datasets``: names of the calibration
     data, at least one (llama-quantize refuses a file without ``imatrix.datasets``, and gguf-py
     cannot write an empty array); ``chunk_count``: chunks processed; ``chunk_size``: tokens per
-    chunk (llama-imatrix:
-    ``n_ctx / n_parallel``). Tensors are written sorted by name, as llama.cpp does. The write is
-    atomic (temporary file, then rename). Returns the path. Raises ImatrixError for
-    inconsistent shapes or non-finite sums (llama-imatrix aborts on those too), ValueError
-    for an empty ``datasets``."""
+    chunk (llama-imatrix: ``n_ctx / n_parallel``). Tensors are written sorted by name, as llama.cpp
+    does. The write is atomic (temporary file, then rename). Returns the path. Raises ImatrixError
+    for inconsistent shapes or non-finite sums (llama-imatrix aborts on those too), ValueError for
+    an empty ``datasets``."""
     import gguf
     if isinstance(datasets, str) or not datasets:
         raise ValueError("datasets must be a non-empty list of names")

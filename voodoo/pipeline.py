@@ -1147,19 +1147,18 @@ class StudentFactory:
     :mod:`cluster.tune`: every worker (and every Tune trial) loads the model, builds the teacher
     and the gated student from the candidate cache, on its own device.
 
-    Plain fields only, so it travels to Ray workers. ``model``: what :func:`load_context`
-    takes (an HF folder, a .gguf, a hub id); ``work_dir``: prepare_model's. ``cache_dir``: the
-    candidate cache (None: the default). ``menus``: gguf_name -> type names. Tokens:
-    ``train_blocks``/``eval_blocks`` ((N, seq_len) int64) when given, else read from
-    ``data_dir`` (``n_train``/``n_eval`` first blocks). ``imatrix``: path of the imatrix file
-    (None: no imatrix). ``teacher_quant``/``teacher_checkpoint``: :func:`build_teacher`'s.
-    ``dtype``: candidates' dtype (None: ``info.cfg.dtype``). ``budget``: bytes (None: from the
-    TrainConfig). ``hessians``: the ``.npz`` of :func:`ensure_hessians` for error-feedback
-    candidates, ``feedback``: :func:`choose_rounding`'s pairs (``--rounding auto``; None: every
-    candidate of a tensor with a Hessian). ``lazy``: candidates held as ggml bytes
-    (:func:`build_student`'s ``lazy``;
-    with tensor parallelism :func:`build_student_tp`'s: a rank keeps only its shard's
-    blocks; the Q8_0 teacher is held lazily only without tensor parallelism).
+    Plain fields only, so it travels to Ray workers. ``model``: what :func:`load_context` takes (an
+    HF folder, a .gguf, a hub id); ``work_dir``: prepare_model's. ``cache_dir``: the candidate cache
+    (None: the default). ``menus``: gguf_name -> type names. Tokens:
+    ``train_blocks``/``eval_blocks`` ((N, seq_len) int64) when given, else read from ``data_dir``
+    (``n_train``/``n_eval`` first blocks). ``imatrix``: path of the imatrix file (None: no imatrix).
+    ``teacher_quant``/``teacher_checkpoint``: :func:`build_teacher`'s. ``dtype``: candidates' dtype
+    (None: ``info.cfg.dtype``). ``budget``: bytes (None: from the TrainConfig). ``hessians``: the
+    ``.npz`` of :func:`ensure_hessians` for error-feedback candidates, ``feedback``:
+    :func:`choose_rounding`'s pairs (``--rounding auto``; None: every candidate of a tensor with a
+    Hessian). ``lazy``: candidates held as ggml bytes (:func:`build_student`'s ``lazy``; with tensor
+    parallelism :func:`build_student_tp`'s: a rank keeps only its shard's blocks; the Q8_0 teacher
+    is held lazily only without tensor parallelism).
 
     Candidates must already be in the cache (``voodoo precache`` / the CLI's candidate stage):
     the factory only looks them up (in-process, no quantization expected). The core imports no

@@ -571,9 +571,8 @@ def mix(probs: torch.Tensor, blocks, types, n_per_row: int,
     Raises:
         TypeError: a candidate that is not uint8.
         ValueError: ``probs`` not ``(K,)`` float32 on the blocks' device, a menu
-            :func:`supports` refuses, byte
-            counts that are not the same whole number of rows, or a bad
-            ``VOODOO_TRITON_ROWS``/``VOODOO_TRITON_WARPS``.
+            :func:`supports` refuses, byte counts that are not the same whole number of rows, or a
+            bad ``VOODOO_TRITON_ROWS``/``VOODOO_TRITON_WARPS``.
     """
     n_rows = _n_rows(blocks, types, n_per_row)
     if probs.dtype != torch.float32 or probs.shape != (len(types),):
