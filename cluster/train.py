@@ -494,16 +494,15 @@ def train_loop_per_worker(config: dict) -> None:
 def run_loop(config: dict, backend) -> dict:
     """Ray Train worker loop (see the module docstring).
 
-    config keys: ``factory`` (picklable ``factory(WorkerInfo) -> StudentJob``), ``cfg``
-    (TrainConfig dict), ``tensor_parallel`` (int), ``use_gpu``, ``device_map`` (list or None),
-    ``checkpoint_every`` (steps, default ``cfg.partial_save_interval``), ``report_every``
-    (steps, default 1; ``"auto"``: after the second step, as many steps as take Ray Train's
-    report interval, :func:`_report_interval`), ``stop_after`` (steps or None), ``step_hook``
-    (``hook(step, info, student)`` after each step, or None), ``shared`` (object or ObjectRef), ``local_dir`` (in-process
-    runs: where checkpoints are written), ``run_dir`` (the run's storage folder, scanned for
-    the newest complete checkpoint; default ``local_dir``), ``num_to_keep``,
-    ``report_objective`` (add ``objective = kl + penalty`` to the metrics, for Tune
-    schedulers).
+    config keys: ``factory`` (picklable ``factory(WorkerInfo) -> StudentJob``), ``cfg`` (TrainConfig
+    dict), ``tensor_parallel`` (int), ``use_gpu``, ``device_map`` (list or None),
+    ``checkpoint_every`` (steps, default ``cfg.partial_save_interval``), ``report_every`` (steps,
+    default 1; ``"auto"``: after the second step, as many steps as take Ray Train's report interval,
+    :func:`_report_interval`), ``stop_after`` (steps or None), ``step_hook`` (``hook(step, info,
+    student)`` after each step, or None), ``shared`` (object or ObjectRef), ``local_dir``
+    (in-process runs: where checkpoints are written), ``run_dir`` (the run's storage folder, scanned
+    for the newest complete checkpoint; default ``local_dir``), ``num_to_keep``,
+    ``report_objective`` (add ``objective = kl + penalty`` to the metrics, for Tune schedulers).
 
     ``backend``: :class:`RayTrainBackend` or anything with its methods. Returns (on every
     rank) ``{"gates", "step", "budget_bytes", "history", "metrics", "job"}`` of the final
