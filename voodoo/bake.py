@@ -5,25 +5,29 @@ Three steps, all deterministic:
 1. **argmax** of each tensor's gate.
 2. **guardrails** (``--tensor_upgrades``): a JSON list of ``{"pattern": regex, "levels": int}``.
    Every tensor whose GGUF name matches ``pattern`` (``re.search``) moves ``levels`` rungs up
-   its own menu (positive: more bits) or down (negative), clamped to the menu's ends. Rules are
-   applied in order, each to the result of the previous one. The rung a rule leaves a tensor on
-   becomes a *guardrail*: an upgraded tensor is not moved below it, a downgraded one not above
-   it, by the repair step -- unless the budget cannot be met otherwise. A later rule that
-   matches a tensor again replaces the earlier rule's guardrail.
-3. **repair** to the budget, when the argmax total is outside ``budget * (1 -/+ tolerance)``:
-   the assignment of largest total gate log-probability whose total lies inside that window, found
-   exactly by dynamic programming over bytes (a multiple-choice knapsack; sizes in units of about
-   budget/200,000 bytes, rounded so the true total stays inside), first within the guardrails, then,
-   only when over the budget, without them (a warning names every tensor whose guardrail gave way).
-   Under the budget the guardrails always hold: a total the window cannot reach without breaking one
-   stays under it, with a warning. A greedy repair remains as the fallback for windows too narrow
-   for that resolution: while over, the move down with the smallest drop in log-probability per byte
-   saved; while under, the move up with the least loss per byte spent that stays under the upper
-   end. Log-probabilities are ``log_softmax(logits / temperature)``. (The greedy alone, ranking per
-   byte, demoted the largest tensor first whenever its logits were close, even when the trained
-   gates clearly preferred keeping it.)
+   its own menu (positive: more bits) or down (negative) from its argmax type, clamped to the
+   menu's ends. Where several rules match a tensor, the last one decides (``[{"pattern":
+   "attn", "levels": 1}, {"pattern": "attn_v", "levels": -1}]``: every attention tensor one
+   rung up, attn_v one down). The rung a rule leaves a tensor on becomes a *guardrail*: an
+   upgraded tensor is not moved below it, a downgraded one not above it, by the repair step --
+   unless the budget cannot be met otherwise.
+3. **repair** to the budget, when the argmax total is outside ``budget * (1 -/+ tolerance)``.
+   Over it: the assignment of largest total gate log-probability whose total lies inside that
+   window, found exactly by dynamic programming over bytes (a multiple-choice knapsack; sizes in
+   units of about budget/200,000 bytes, rounded so the true total stays inside), first within the
+   guardrails, then without them (a warning names every tensor whose guardrail gave way). Under
+   it: the same, over **upgrades only** (every tensor at its argmax type or above, within the
+   guardrails): more bytes never cost a tensor bits. Where no upgrades land in the window the
+   file stays under it, with a warning. (Landing there at any price promoted a big tensor of a
+   tiny model and paid with types its gates gave p ~ 0 elsewhere: 6-9x the KLD of the argmax
+   file, found by a tester on ministral3 and an IQ4_XS-born llama.) A greedy repair remains as
+   the fallback for windows too narrow for that resolution: while over, the move down with the
+   smallest drop in log-probability per byte saved; while under, the move up with the least loss
+   per byte spent that stays under the upper end. Log-probabilities are ``log_softmax(logits /
+   temperature)``. (The greedy alone, ranking per byte, demoted the largest tensor first whenever
+   its logits were close, even when the trained gates clearly preferred keeping it.)
 
-5. **fill** (only given ``fill_costs``, e.g. the Fisher prior's predicted KL per type): bytes
+4. **fill** (only given ``fill_costs``, e.g. the Fisher prior's predicted KL per type): bytes
    still left under the budget are spent on the upgrades that lower the summed cost most
    (exact knapsack over the upgrades). At SmolLM2's IQ2_M and IQ2_XXS sizes the trained gates
    left 0.47% and 0.40% of the budget unused; spending it this way took the KLD from 0.0372 to
@@ -126,10 +130,10 @@ def bake(gate_logits: Mapping[str, Sequence[float] | torch.Tensor],
             lands within ``tolerance`` of it, never over).
         fill_costs: gguf_name -> K predicted costs (menu order; e.g. the Fisher prior's KL in
             nats/token). When given and the total is under ``budget - fill_margin``, the bytes
-            left are spent (step 5 of the module docstring) on the upgrades that lower the
+            left are spent (step 4 of the module docstring) on the upgrades that lower the
             summed cost most, never over ``budget - fill_margin`` and never above a
             downgrade guardrail.
-        fill_margin: bytes kept free by step 5 (e.g. for GGUF padding and metadata).
+        fill_margin: bytes kept free by step 4 (e.g. for GGUF padding and metadata).
 
     Returns the assignment (``docs/contracts.md``)::
 
@@ -166,17 +170,20 @@ def bake(gate_logits: Mapping[str, Sequence[float] | torch.Tensor],
     # 2. guardrails. lo/hi: allowed index range during repair (0 = most bits).
     lo = {n: 0 for n in names}
     hi = {n: len(menu[n]) - 1 for n in names}
+    argmax, rule = dict(cur), {}
     for rx, lev in parse_tensor_upgrades(tensor_upgrades):
         hit = [n for n in names if rx.search(n)]
         if not hit:
             raise ValueError(f"--tensor_upgrades pattern {rx.pattern!r} matches no tensor "
                              f"(names look like {names[0]!r})")
-        for n in hit:   # a later rule on a tensor replaces an earlier rule's guardrail
-            cur[n] = min(max(cur[n] - lev, 0), len(menu[n]) - 1)
-            if lev > 0:
-                lo[n], hi[n] = 0, cur[n]
-            elif lev < 0:
-                lo[n], hi[n] = cur[n], len(menu[n]) - 1
+        for n in hit:   # the last rule that matches a tensor decides, counted from its argmax
+            rule[n] = lev
+    for n, lev in rule.items():
+        cur[n] = min(max(argmax[n] - lev, 0), len(menu[n]) - 1)
+        if lev > 0:
+            lo[n], hi[n] = 0, cur[n]
+        elif lev < 0:
+            lo[n], hi[n] = cur[n], len(menu[n]) - 1
 
     # 3. repair.
     if ceiling:
@@ -207,9 +214,10 @@ def bake(gate_logits: Mapping[str, Sequence[float] | torch.Tensor],
         # exact: the assignment of most total log-probability inside [lower, upper]; the
         # guardrails are dropped only when nothing within them gets under the upper end
         # (never to spend more bytes: then the best within them under the upper end)
-        tries = [(lo, hi, lower)]
         if total > upper:
-            tries += [(lo, hi, 0), (full_lo, full_hi, lower)]
+            tries = [(lo, hi, lower), (lo, hi, 0), (full_lo, full_hi, lower)]
+        else:   # under: upgrades only, every tensor at its argmax or above (module docstring)
+            tries = [({n: min(lo[n], cur[n]) for n in names}, cur, lower)]
         for lo_, hi_, floor in tries:
             got = min_cost_assignment({n: [-v for v in lp[n]] for n in names}, nb, floor,
                                       upper, {n: (lo_[n], hi_[n]) for n in names})
@@ -250,37 +258,6 @@ def bake(gate_logits: Mapping[str, Sequence[float] | torch.Tensor],
             for m in moves_up(n, lo_):
                 heapq.heappush(heap, m)
 
-    # 4. still under: every single move up overshoots (a large tensor's next rung is bigger
-    # than the slack). Try each tensor one rung up, paid for by the cheapest moves down of the
-    # others (within their guardrails); keep the landing with the best total log-probability.
-    if total < lower:
-        best = None
-        for n in names:
-            j = cur[n] - 1
-            if j < lo[n] or nb[n][j] <= nb[n][cur[n]]:
-                continue
-            c2 = dict(cur)
-            c2[n] = j
-            t2 = total + nb[n][j] - nb[n][cur[n]]
-            heap = [((lp[m][c2[m]] - lp[m][k]) / (nb[m][c2[m]] - nb[m][k]), m, k, c2[m])
-                    for m in names if m != n for k in range(c2[m] + 1, hi[m] + 1)
-                    if nb[m][c2[m]] > nb[m][k]]
-            heapq.heapify(heap)
-            while t2 > upper and heap:
-                _, m, k, c = heapq.heappop(heap)
-                if c2[m] != c:
-                    continue
-                t2 += nb[m][k] - nb[m][c]
-                c2[m] = k
-                heap.extend(((lp[m][k] - lp[m][k2]) / (nb[m][k] - nb[m][k2]), m, k2, k)
-                            for k2 in range(k + 1, hi[m] + 1) if nb[m][k] > nb[m][k2])
-                heapq.heapify(heap)
-            if lower <= t2 <= upper:
-                obj = sum(lp[m][c2[m]] for m in names)
-                if best is None or obj > best[0]:
-                    best = (obj, c2, t2)
-        if best is not None:
-            cur, total = best[1], best[2]
     import warnings
     guarded = [n for n in names if lo[n] > 0 or hi[n] < len(menu[n]) - 1]
     if total < lower:
@@ -310,7 +287,7 @@ def bake(gate_logits: Mapping[str, Sequence[float] | torch.Tensor],
             + (", ..." if len(broken) > 8 else "")
             + "; raise the budget or ask for fewer levels", stacklevel=2)
 
-    # 5. fill: bytes left under the budget are spent where ``fill_costs`` says they lower the
+    # 4. fill: bytes left under the budget are spent where ``fill_costs`` says they lower the
     # predicted cost most (the exact knapsack over the upgrades, each tensor at its own rung
     # or above, within ``budget - fill_margin``).
     room = budget - fill_margin - total
