@@ -128,3 +128,25 @@ def test_doctor_prune_cache_cli_and_a_pruned_reference_is_made_again(tiny_prepar
     assert found == str(Path(tiny_prepared.hf_dir).resolve())
     again = Path(prepare_model(found).reference_gguf)
     assert sha256_file(again) == sha
+
+
+def test_a_folder_that_is_not_voodoos_cache_is_not_pruned(tmp_path, monkeypatch):
+    """VOODOO_CACHE set to a project folder (or to "", which once meant the current folder)
+    must not cost it its models/: prune refuses a root with neither CACHEDIR.TAG nor a
+    llama.cpp/ build folder, and an empty VOODOO_CACHE means the default cache."""
+    from voodoo.llamacpp import CACHE_TAG, cache_root, mark_cache
+    now = time.time()
+    project = tmp_path / "project"
+    mine = _file(project / "models" / "my_experiment" / "weights.bin", 100, 60, now)
+    with pytest.raises(ValueError, match="does not look like Voodoo's cache"):
+        prune_cache(project, 30, now=now)
+    assert mine.exists()
+    mark_cache(project)
+    assert (project / CACHE_TAG).read_text().startswith(
+        "Signature: 8a477f597d28d172789f06886806bc55")
+    assert [e.paths[0].name for e in prune_cache(project, 30, now=now).removed] == [
+        "my_experiment"]
+    monkeypatch.setenv("VOODOO_CACHE", "")
+    assert cache_root() == Path("~/.cache/voodoo").expanduser().absolute()
+    monkeypatch.setenv("VOODOO_CACHE", "rel/cache")
+    assert cache_root() == Path.cwd() / "rel" / "cache"

@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["CacheEntry", "PruneResult", "cache_entries", "prune_cache"]
+__all__ = ["CacheEntry", "PruneResult", "cache_entries", "is_voodoo_cache", "prune_cache"]
 
 #: The sub-folders of the cache whose entries are derived files, rebuilt on demand.
 PRUNABLE = ("candidates", "models", "fisher", "hessians", "kld", "texts", "llama.cpp")
@@ -122,14 +122,30 @@ def cache_entries(root: str | os.PathLike, keep_commit: str | None = None) -> li
     return out
 
 
+def is_voodoo_cache(root: str | os.PathLike) -> bool:
+    """Whether ``root`` is Voodoo's cache: it holds :data:`voodoo.llamacpp.CACHE_TAG` (written
+    when the cache is first used) or a ``llama.cpp/`` build folder."""
+    from .llamacpp import CACHE_TAG
+    root = Path(root)
+    return (root / CACHE_TAG).is_file() or (root / "llama.cpp").is_dir()
+
+
 def prune_cache(root: str | os.PathLike, older_than_days: float, dry_run: bool = False,
                 now: float | None = None) -> PruneResult:
     """Removes the entries of :func:`cache_entries` last used more than ``older_than_days``
     days ago (``now``: seconds since the epoch, default the current time). ``dry_run``: only
-    lists them. Returns a :class:`PruneResult`. Raises ValueError for a negative age. A file
-    that vanished meanwhile (another process) is not an error."""
+    lists them. Returns a :class:`PruneResult`. Raises ValueError for a negative age and for a
+    ``root`` that is not Voodoo's cache (:func:`is_voodoo_cache`: a ``VOODOO_CACHE`` pointing at
+    a project folder would otherwise lose its ``models/``). A file that vanished meanwhile
+    (another process) is not an error."""
     if older_than_days < 0:
         raise ValueError(f"older_than_days must be >= 0, got {older_than_days}")
+    if not is_voodoo_cache(root):
+        from .llamacpp import CACHE_TAG
+        raise ValueError(f"{root} does not look like Voodoo's cache (no {CACHE_TAG}, no "
+                         "llama.cpp/ build folder), so nothing there is pruned: check "
+                         "VOODOO_CACHE, or if it is the cache, create the tag file "
+                         f"({Path(root) / CACHE_TAG}) and run this again")
     cutoff = (time.time() if now is None else now) - older_than_days * 86400
     res = PruneResult()
     for e in cache_entries(root):

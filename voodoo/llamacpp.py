@@ -58,9 +58,32 @@ class LlamaCppNotBuilt(RuntimeError):
     """A llama.cpp artefact (library, tool or source) is missing."""
 
 
+#: Marks a folder as Voodoo's cache (the Cache Directory Tagging convention, which backup
+#: tools honour); ``voodoo doctor --prune_cache`` prunes only a folder that has it or a
+#: ``llama.cpp/`` build folder.
+CACHE_TAG = "CACHEDIR.TAG"
+_CACHE_TAG_TEXT = ("Signature: 8a477f597d28d172789f06886806bc55\n"
+                   "# Voodoo's cache: everything here is rebuilt on demand "
+                   "(voodoo doctor --prune_cache DAYS).\n")
+
+
 def cache_root() -> Path:
-    """Voodoo's cache folder: ``$VOODOO_CACHE`` or ``~/.cache/voodoo``."""
-    return Path(os.path.expanduser(os.environ.get("VOODOO_CACHE", "~/.cache/voodoo")))
+    """Voodoo's cache folder: ``$VOODOO_CACHE`` (an empty value counts as unset), else
+    ``~/.cache/voodoo``; absolute."""
+    return Path(os.path.expanduser(os.environ.get("VOODOO_CACHE") or "~/.cache/voodoo")
+                ).absolute()
+
+
+def mark_cache(root: Path | None = None) -> None:
+    """Writes :data:`CACHE_TAG` into the cache folder (``root``, default :func:`cache_root`)
+    when it exists and has none; a read-only folder is left as it is."""
+    root = cache_root() if root is None else Path(root)
+    tag = root / CACHE_TAG
+    if root.is_dir() and not tag.exists():
+        try:
+            tag.write_text(_CACHE_TAG_TEXT)
+        except OSError:
+            pass
 
 
 def build_root(commit: str = LLAMA_CPP_COMMIT) -> Path:
@@ -225,6 +248,7 @@ def fetch_source() -> Path:
     if (dst / "convert_hf_to_gguf.py").is_file():
         return dst
     dst.parent.mkdir(parents=True, exist_ok=True)
+    mark_cache()
     dl = cache_root() / "downloads"
     dl.mkdir(parents=True, exist_ok=True)
     sdist = dl / f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}.tar.gz"
