@@ -1186,3 +1186,25 @@ def test_a_config_without_architectures_is_named_by_run_and_export(tiny_fixed, t
         line = error_line(rc, err, cmd[0])
         assert 'names no "architectures"' in line and '["LlamaForCausalLM"]' in line, line
         assert "Traceback" not in err
+
+
+def test_printed_recipe_is_shell_quoted(tmp_path, capsys):
+    """The llama-quantize command printed after export pastes into a shell as it is, also for
+    paths with spaces and non-ASCII letters (`--output_dir "out/dir with space ü"`)."""
+    import shlex
+
+    from voodoo import cli
+    d = tmp_path / "dir with space ü"
+    d.mkdir()
+    gguf = d / "m.Voodoo55.gguf"
+    gguf.write_bytes(b"")   # unreadable as a GGUF: the recipe then names the same tensors
+    (d / "m.Voodoo55.tensor-types.txt").write_text("blk.0.attn_q.weight=q8_0\n")
+    base = _model_gguf(tmp_path / "base f32.gguf")
+    cli._print_recipe(gguf, base, d / "imatrix.gguf")
+    out = capsys.readouterr().out.splitlines()
+    talk = shlex.split(out[0].split(":", 1)[1])
+    assert talk[talk.index("--gguf") + 1] == str(gguf)
+    cmd = shlex.split(out[-1])
+    assert cmd[cmd.index("--imatrix") + 1] == str(d / "imatrix.gguf")
+    assert cmd[cmd.index("--tensor-type-file") + 1] == str(d / "m.Voodoo55.tensor-types.txt")
+    assert cmd[-3:] == [str(base), "out.gguf", "Q8_0"]

@@ -879,11 +879,12 @@ def _provenance(a, assignment, prepared=None) -> dict:
 def _print_recipe(gguf: Path, base_gguf: Path, imatrix) -> None:
     """Prints how to talk to the GGUF and the llama-quantize command that writes the same
     tensors from the model's F32 base (its path in the cache included)."""
+    from shlex import quote
     tt = Path(gguf).with_suffix(".tensor-types.txt")
-    print(f"talk to it:  voodoo chat --gguf {gguf} --reference")
+    print(f"talk to it:  voodoo chat --gguf {quote(str(gguf))} --reference")
     if tt.is_file():
         from .llamacpp import tool_command
-        im = f"--imatrix {imatrix} " if imatrix else ""
+        im = f"--imatrix {quote(str(imatrix))} " if imatrix else ""
         own = 0
         try:
             from .ggufio import read_gguf
@@ -897,8 +898,8 @@ def _print_recipe(gguf: Path, base_gguf: Path, imatrix) -> None:
         from .export import requantize_args
         rq = "".join(f"{x} " for x in requantize_args(base_gguf))
         print(f"to make {what} with stock llama-quantize (F32 base {base_gguf}):\n"
-              f"  {tool_command('llama-quantize')} {im}{rq}--tensor-type-file {tt} {base_gguf} "
-              "out.gguf Q8_0")
+              f"  {quote(tool_command('llama-quantize'))} {im}{rq}--tensor-type-file "
+              f"{quote(str(tt))} {quote(str(base_gguf))} out.gguf Q8_0")
 
 
 #: the folder ``ray job submit --working-dir`` runs a job in: Ray's own copy of the working
