@@ -124,3 +124,27 @@ def test_exit_wait_shim_lets_a_log_thread_finish(tmp_path, monkeypatch):
     # an LD_PRELOAD already set is kept, and the shim is not added twice
     env2 = llamacpp.tool_env({**env, "LD_PRELOAD": env["LD_PRELOAD"] + " /x.so"})
     assert env2["LD_PRELOAD"].split().count(str(lib)) == 1 and "/x.so" in env2["LD_PRELOAD"]
+
+
+def test_voodoo_llama_cpp_is_the_only_place_looked_when_set(tmp_path, monkeypatch):
+    """A VOODOO_LLAMA_CPP that does not exist, or lacks a tool, is named, not silently
+    replaced by the cached build (two llama.cpp builds would be mixed without a word)."""
+    cache_bin = tmp_path / "cache" / "llama.cpp" / llamacpp.llama_cpp_commit() / "bin"
+    cache_bin.mkdir(parents=True)
+    own = tmp_path / "mine"
+    own.mkdir()
+    for d, tools in ((cache_bin, ("llama-quantize", "llama-perplexity")),
+                     (own, ("llama-quantize",))):
+        for t in tools:
+            (d / t).write_text("#!/bin/sh\n")
+            (d / t).chmod(0o755)
+    monkeypatch.setenv("VOODOO_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("VOODOO_LLAMA_CPP", raising=False)
+    assert llamacpp.tool_path("llama-perplexity") == cache_bin / "llama-perplexity"
+    monkeypatch.setenv("VOODOO_LLAMA_CPP", str(own))
+    assert llamacpp.tool_path("llama-quantize") == own / "llama-quantize"
+    with pytest.raises(llamacpp.LlamaCppNotBuilt, match="holds no executable llama-perplexity"):
+        llamacpp.tool_path("llama-perplexity")
+    monkeypatch.setenv("VOODOO_LLAMA_CPP", str(tmp_path / "nowhere"))
+    with pytest.raises(llamacpp.LlamaCppNotBuilt, match="does not exist"):
+        llamacpp.tool_path("llama-quantize")

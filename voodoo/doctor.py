@@ -164,7 +164,13 @@ def run(out=sys.stdout, model: str | None = None) -> int:
         role = "chat/serve" if t in llamacpp.CHAT_TOOLS else "pipeline"
         line(t, f"{p} ({role})" if p else f"MISSING ({role})")
     missing = [t for t, p in tools.items() if not p]
-    if missing:
+    own = os.environ.get("VOODOO_LLAMA_CPP")
+    if missing and own:
+        problems.append(f"llama.cpp tools missing ({', '.join(missing)}) from VOODOO_LLAMA_CPP="
+                        f"{own}{'' if Path(own).is_dir() else ', which does not exist'}: point "
+                        "it at a llama.cpp build folder that has them, or unset it to use "
+                        "Voodoo's own build (`voodoo bootstrap`)")
+    elif missing:
         problems.append(f"llama.cpp tools missing ({', '.join(missing)}): run `voodoo "
                         "bootstrap` (builds only what is missing; a few minutes on 2 cores) "
                         "or set VOODOO_LLAMA_CPP=/path/to/llama.cpp/build")

@@ -143,13 +143,21 @@ def tool_command(name: str) -> str:
 def tool_path(name: str) -> Path:
     """Path of a llama.cpp tool (one of :data:`TOOLS`, e.g. ``llama-perplexity``).
 
-    Looks in ``$VOODOO_LLAMA_CPP`` (or its ``bin/``) first, then in the cached build.
-    Raises LlamaCppNotBuilt saying how to build it."""
+    Looks in ``$VOODOO_LLAMA_CPP`` (or its ``bin/``) when it is set, and only there (a build
+    of one's own is never mixed with Voodoo's), else in the cached build. Raises
+    LlamaCppNotBuilt saying how to build it, or that ``$VOODOO_LLAMA_CPP`` lacks it."""
     env = os.environ.get("VOODOO_LLAMA_CPP")
-    cands = []
     if env:
-        cands += [Path(env) / name, Path(env) / "bin" / name]
-    cands.append(build_root() / "bin" / name)
+        cands = [Path(env) / name, Path(env) / "bin" / name]
+        for c in cands:
+            if c.is_file() and os.access(c, os.X_OK):
+                return c
+        where = "does not exist" if not Path(env).is_dir() else f"holds no executable {name}"
+        raise LlamaCppNotBuilt(
+            f"{name} not found: VOODOO_LLAMA_CPP={env} {where} (looked in {cands[0].parent} and "
+            f"{cands[1].parent}); point it at a llama.cpp build folder that has {name}, or "
+            "unset it to use Voodoo's own build (`voodoo bootstrap`)")
+    cands = [build_root() / "bin" / name]
     for c in cands:
         if c.is_file() and os.access(c, os.X_OK):
             return c
