@@ -231,3 +231,29 @@ def test_too_short_names_what_fits(smol_tokenizer, tmp_path):
     with pytest.raises(vd.DatasetError, match=r"eval blocks and 1 train block\(s\) of 16"):
         vd.build_dataset(smol_tokenizer, txt, tmp_path / "b", seq_len=16,
                          n_train_blocks=192, n_eval_blocks=n // 16, up_to=True)
+
+
+def test_a_text_the_tokenizer_cannot_read_is_refused(tmp_path):
+    """Calibration text in a script the vocabulary cannot read (Chinese for a SentencePiece
+    vocabulary without byte tokens: transformers 5 drops those characters) is refused, as
+    `--eval_text` is, instead of training the gates on the few tokens left; a little of it is
+    kept, with a warning."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).parent))
+    from transformers import LlamaTokenizer
+    from zoo import _spm_tokenizer_dir
+
+    from voodoo.data import DatasetError, build_dataset
+    tok = LlamaTokenizer.from_pretrained(str(_spm_tokenizer_dir()))
+    zh = tmp_path / "zh.txt"
+    zh.write_text("\n\n".join("这是一个用中文写的段落，模型的词表无法读取这些字符。" * 20
+                              for _ in range(30)))
+    with pytest.raises(DatasetError, match=r"reads back \d+\.\d% of its non-space"):
+        build_dataset(tok, zh, tmp_path / "d1", seq_len=16, n_train_blocks=2, n_eval_blocks=1)
+    mixed = tmp_path / "mixed.txt"
+    mixed.write_text("\n\n".join("The model reads this English sentence well enough. " * 4
+                                 + "中文字符" * 3 for _ in range(30)))   # ~7% unreadable
+    with pytest.warns(UserWarning, match="calibrating on what it reads"):
+        build_dataset(tok, mixed, tmp_path / "d2", seq_len=16, n_train_blocks=2,
+                      n_eval_blocks=1)

@@ -428,6 +428,45 @@ _NEED_MORE = (" (ask for fewer blocks with --n_eval_blocks/--n_train_blocks, a s
               "--seq_len, or a bigger --data_name source)")
 
 
+#: Refused when the tokenizer reads back less than this fraction of the calibration text's
+#: non-space characters (``decode(encode(text))``; warned below :data:`READ_WARN`): a text in a
+#: script the vocabulary cannot read (e.g. Chinese for a SentencePiece vocabulary without byte
+#: tokens) becomes ``<unk>`` tokens, or nothing at all (transformers 5 drops such characters).
+#: The same floor as ``--eval_text``'s for llama.cpp's tokenizer (``voodoo.llamatext``).
+READ_REFUSE = 0.5
+READ_WARN = 0.99
+_READ_SAMPLE_CHARS = 200_000
+
+
+def _check_readable(tokenizer, docs: Sequence[str], desc: str) -> None:
+    """Raises DatasetError when ``tokenizer`` reads back less than :data:`READ_REFUSE` of the
+    non-space characters of ``docs`` (their first 200,000 characters), warns below
+    :data:`READ_WARN`."""
+    sample, n = [], 0
+    for d in docs:
+        sample.append(d[:_READ_SAMPLE_CHARS - n])
+        n += len(sample[-1])
+        if n >= _READ_SAMPLE_CHARS:
+            break
+    text = "\n".join(sample)
+    before = sum(1 for ch in text if not ch.isspace())
+    if before == 0:
+        return
+    back = tokenizer.decode(tokenizer(text, add_special_tokens=False)["input_ids"])
+    for tok in {getattr(tokenizer, "unk_token", None), "\u2047"} - {None}:
+        back = back.replace(tok, " ")   # <unk> (and SentencePiece's ⁇ for it) read nothing
+    frac = min(1.0, sum(1 for ch in back if not ch.isspace()) / before)
+    if frac >= READ_WARN:
+        return
+    what = (f"{desc}: the model's tokenizer reads back {100 * frac:.1f}% of its non-space "
+            "characters (the rest become unknown tokens or are dropped: a script its "
+            "vocabulary cannot read)")
+    if frac < READ_REFUSE:
+        raise DatasetError(f"{what}; the gates would be trained on what is left: calibrate on "
+                           "text in a language and script the model reads (--data_name)")
+    warnings.warn(f"{what}; calibrating on what it reads", stacklevel=3)
+
+
 def build_dataset(tokenizer, source: str | os.PathLike = DEFAULT_SOURCE,
                   output_dir: str | os.PathLike = "data", seq_len: int = 512,
                   n_train_blocks: int | None = 128, n_eval_blocks: int = 16,
@@ -454,6 +493,7 @@ def build_dataset(tokenizer, source: str | os.PathLike = DEFAULT_SOURCE,
     if eos is None:
         raise ValueError("the tokenizer has no EOS token; Voodoo puts EOS between documents")
     docs, desc = read_documents(source)
+    _check_readable(tokenizer, docs, desc)
     order = np.random.default_rng(seed).permutation(len(docs))
     shuffled = [docs[i] for i in order]
 
