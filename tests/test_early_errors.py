@@ -118,6 +118,13 @@ def test_output_dir_that_is_a_file(tiny_fixed, tmp_path):  # noqa: F811
     (["--compression_ratio", "1.7"], ["a budget above the Q8_0 size", "at most 1.0"]),
     (["--compression_ratio", "55"], ["a budget above the Q8_0 size",
                                      "--compression_ratio 0.55 for Voodoo55?"]),
+    (["--size", "55", "--compression_ratio", "0.5"],
+     ["--size and --compression_ratio both set a budget"]),
+    (["--size", "0"], ["--size 0:", "in (0, 100]", "--size 55 for Voodoo55"]),
+    (["--size", "120"], ["--size 120:", "in (0, 100]"]),
+    # --size 55 is --compression_ratio 0.55
+    (["--size", "55", "--target_bits", "4"],
+     ["--compression_ratio and --target_bits both set a budget"]),
 ])
 def test_train_refuses_conflicting_or_missing_inputs_first(tiny_fixed, tmp_path, flags,
                                                            words):  # noqa: F811

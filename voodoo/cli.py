@@ -351,6 +351,10 @@ def _budget_flags(ap):
     ap.add_argument("--compression_ratio", type=float, default=None,
                     help="budget as a fraction of the selectable tensors' Q8_0 bytes "
                          "(0.55 = Voodoo55; default 0.55)")
+    ap.add_argument("--size", type=float, default=None, metavar="PERCENT",
+                    help="the Voodoo size: budget in percent of the selectable tensors' Q8_0 "
+                         "bytes (55 = Voodoo55, the same as --compression_ratio 0.55; the "
+                         "standard sizes are 25, 30, ..., 80)")
     ap.add_argument("--target_bits", type=float, default=None,
                     help="budget in bits per weight over the selectable tensors")
     ap.add_argument("--budget_reduction", type=float, default=0.0,
@@ -602,6 +606,14 @@ def _check_inputs_early(a) -> None:
         raise UsageError(f"--ctx {ctx} --chunks {chunks} scores {chunks * (ctx - 1 - ctx // 2)}"
                          " tokens; llama-perplexity prints no KLD below 100: raise --chunks or "
                          "--ctx")
+    size = getattr(a, "size", None)
+    if size is not None:   # --size 55 is --compression_ratio 0.55
+        if getattr(a, "compression_ratio", None) is not None:
+            raise UsageError("--size and --compression_ratio both set a budget; give one")
+        if not 0 < size <= 100:
+            raise UsageError(f"--size {size:g}: the Voodoo size is a percentage of the Q8_0 "
+                             "bytes in (0, 100], e.g. --size 55 for Voodoo55")
+        a.compression_ratio, a.size = size / 100.0, None
     if getattr(a, "compression_ratio", None) is not None and \
             getattr(a, "target_bits", None) is not None:
         raise UsageError("--compression_ratio and --target_bits both set a budget; give one")
