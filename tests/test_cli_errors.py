@@ -1208,3 +1208,36 @@ def test_printed_recipe_is_shell_quoted(tmp_path, capsys):
     assert cmd[cmd.index("--imatrix") + 1] == str(d / "imatrix.gguf")
     assert cmd[cmd.index("--tensor-type-file") + 1] == str(d / "m.Voodoo55.tensor-types.txt")
     assert cmd[-3:] == [str(base), "out.gguf", "Q8_0"]
+
+
+def test_eval_text_is_read_as_data_name_reads_it(tmp_path):
+    """--eval_text: a .jsonl is scored on its "text" fields (not on the JSON around them); a
+    file that is not UTF-8 is refused with the iconv line (Latin-1 was scored as it was, and
+    UTF-16 got "holds NUL bytes"), as --data_name does (breaker 4)."""
+    import json
+    from types import SimpleNamespace
+
+    from voodoo import cli
+    from voodoo.llamatext import readable_text
+
+    class Tok:   # one token a word
+        def __call__(self, text):
+            return SimpleNamespace(input_ids=text.split())
+
+    docs = [f"Document {i} says something about the weather in town. " * 40 for i in range(4)]
+    jl = tmp_path / "eval.jsonl"
+    jl.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    a = SimpleNamespace(eval_text=str(jl), ctx=64, chunks=2)
+    cli._check_eval_text_tokens(a, Tok())   # enough words in its texts
+    plain = readable_text(_model_gguf(tmp_path / "m.gguf"), jl, cache_dir=tmp_path / "texts")
+    assert plain.suffix == ".txt" and plain.read_text() == "\n\n".join(docs) + "\n"
+    latin = tmp_path / "latin.txt"
+    latin.write_bytes(("Caf\u00e9 cr\u00e8me br\u00fbl\u00e9e. " * 400).encode("latin-1"))
+    with pytest.raises(cli.UsageError, match="not UTF-8 text.*iconv -f latin1 -t utf-8"):
+        cli._check_eval_text_tokens(SimpleNamespace(eval_text=str(latin), ctx=64, chunks=2),
+                                    Tok())
+    u16 = tmp_path / "u16.txt"
+    u16.write_bytes(("Some text. " * 400).encode("utf-16"))
+    with pytest.raises(cli.UsageError, match="UTF-16 text .*iconv -f UTF-16 -t utf-8"):
+        cli._check_eval_text_tokens(SimpleNamespace(eval_text=str(u16), ctx=64, chunks=2),
+                                    Tok())

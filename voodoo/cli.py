@@ -702,12 +702,26 @@ def _check_eval_text_tokens(a, tokenizer) -> None:
     need = _perplexity_tokens_needed(a.ctx, a.chunks)
     # only as much text as the check needs (a token is rarely more than 32 bytes): a corpus of
     # gigabytes is not read, nor tokenized, whole
-    with open(a.eval_text, "rb") as f:
-        raw = f.read(max(1 << 20, 32 * need))
-    if b"\0" in raw:
-        raise UsageError(f"--eval_text {a.eval_text}: not a text file (it holds NUL bytes); "
-                         "give a UTF-8 text file, e.g. wikitext-2-raw test")
-    text = raw.decode("utf-8", errors="replace")
+    from .data import DatasetError, _not_utf8, read_documents
+    if Path(a.eval_text).suffix.lower() in (".jsonl", ".parquet"):   # scored on its texts
+        try:
+            text = "\n\n".join(read_documents(a.eval_text)[0])
+        except DatasetError as e:
+            raise UsageError(f"--eval_text: {e}") from None
+        raw = text.encode()
+    else:
+        with open(a.eval_text, "rb") as f:
+            limit = max(1 << 20, 32 * need)
+            raw = f.read(limit)
+        bom = raw[:2] in (b"\xff\xfe", b"\xfe\xff")
+        if b"\0" in raw and not bom:
+            raise UsageError(f"--eval_text {a.eval_text}: not a text file (it holds NUL bytes); "
+                             "give a UTF-8 text file, e.g. wikitext-2-raw test")
+        try:   # a character cut at the read limit is no error
+            (raw[:-4] if len(raw) == limit else raw).decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise UsageError(f"--eval_text: {_not_utf8(Path(a.eval_text), e)}") from None
+        text = raw.decode("utf-8", errors="replace")
     n = len(tokenizer(text).input_ids) if text.strip() else 0
     if n < need:
         raise UsageError(f"--eval_text {a.eval_text}: {n} tokens, but llama-perplexity -c "

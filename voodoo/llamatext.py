@@ -128,6 +128,22 @@ def llama_join(gguf_path: str | os.PathLike, pieces: Iterable[str], what: str = 
     return text
 
 
+def _plain_copy(path: Path, cache_dir=None) -> Path:
+    """A ``.jsonl``/``.parquet`` text (as ``--data_name`` reads it: its ``text`` field) as a
+    plain text file, documents separated by a blank line, written once (atomically) to
+    ``cache_dir`` (default ``<cache>/texts``) under the file's sha256: what llama-perplexity
+    scores, rather than the JSON around the texts."""
+    from .data import read_documents
+    from .fsutil import atomic_write_text, sha256_file
+    from .llamacpp import cache_root
+    d = Path(cache_dir) if cache_dir is not None else cache_root() / "texts"
+    out = d / f"{path.stem}.{sha256_file(path)[:16]}.txt"
+    if not out.is_file():
+        d.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(out, "\n\n".join(read_documents(path)[0]) + "\n")
+    return out
+
+
 def readable_text(gguf_path: str | os.PathLike, text_file: str | os.PathLike,
                   cache_dir: str | os.PathLike | None = None) -> Path:
     """``text_file`` itself when llama.cpp's tokenizer reads all of it with ``gguf_path``'s
@@ -139,6 +155,8 @@ def readable_text(gguf_path: str | os.PathLike, text_file: str | os.PathLike,
     UnreadableTextError when less than :data:`MIN_READABLE` of the text's non-space characters
     would be left."""
     text_file = Path(text_file)
+    if text_file.suffix.lower() in (".jsonl", ".parquet"):
+        text_file = _plain_copy(text_file, cache_dir)
     if _spm_vocab(gguf_path) is None:
         if not text_file.is_file():
             raise FileNotFoundError(text_file)
