@@ -4,17 +4,7 @@
 # SIGUSR1 (faulthandler dumps every thread's stack) before the kill. Stage as for run.sh.
 # MODE=tune: `voodoo tune` instead, NS trials sharing the GPU (--gpus_per_trial 1/NS), --export.
 set -uo pipefail
-O=${OUT:-/tmp/out}; mkdir -p $O
-[ -f .device/setup.sh ] && source .device/setup.sh
-export VOODOO_CACHE=${VOODOO_CACHE:-/tmp/vc} PYTHONUNBUFFERED=1
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-S=$VOODOO_CACHE/llama.cpp/0c1e57098
-if [ ! -f $S/src/convert_hf_to_gguf.py ]; then mkdir -p $S && tar xJf .gpu/llama-src.tar.xz -C $S; fi
-t0=$(date +%s)
-ls cython_ggml/_ggml*.so 2>/dev/null | grep -q "$(python3 -c 'import sysconfig;print(sysconfig.get_config_var("EXT_SUFFIX"))')" || \
-  (python3 setup.py build_ext --inplace > $O/build_ext.log 2>&1 || tail -20 $O/build_ext.log)
-python3 -c "from voodoo.llamacpp import build_lib; print(build_lib())" > $O/bootstrap.log 2>&1 || tail -30 $O/bootstrap.log
-echo "[gpu] built in $(( $(date +%s) - t0 )) s"
+LIBONLY=${LIBONLY-1} source benchmarks/gpu_cli/setup.sh   # the tools are not needed
 M=/tmp/smol-random-${LAYERS:-30}
 [ -f $M/model.safetensors ] || python3 benchmarks/gpu_cli/make_model.py .gpu/tokenizer $M ${LAYERS:-30} 2>&1 | tail -1
 C="--model $M --data_name $PWD/.gpu/calib.txt --seq_len 512 --n_train_blocks ${NB:-32} --n_eval_blocks 4 --imatrix_blocks 8 --compression_ratio 0.55 --max_steps ${STEPS:-8} --device cuda"

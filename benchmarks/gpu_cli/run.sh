@@ -5,21 +5,8 @@
 # for .device); then on the GPU machine, from the repo root, carrying .device and .gpu:
 #   bash benchmarks/gpu_cli/run.sh        (env: LAYERS SEQ NB STEPS TMO MODES LIBONLY DEV DT OUT)
 set -uo pipefail
-O=${OUT:-/tmp/out}; mkdir -p $O
-[ -f .device/setup.sh ] && source .device/setup.sh
-export VOODOO_CACHE=${VOODOO_CACHE:-/tmp/vc} PYTHONUNBUFFERED=1
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-S=$VOODOO_CACHE/llama.cpp/0c1e57098
 DEV=${DEV:-cuda}
-if [ ! -f $S/src/convert_hf_to_gguf.py ]; then mkdir -p $S && tar xJf .gpu/llama-src.tar.xz -C $S; fi
-t0=$(date +%s)
-ls cython_ggml/_ggml*.so 2>/dev/null | grep -q "$(python3 -c 'import sysconfig;print(sysconfig.get_config_var("EXT_SUFFIX"))')" || \
-  (python3 setup.py build_ext --inplace > $O/build_ext.log 2>&1 || tail -20 $O/build_ext.log)
-python3 -c "
-from voodoo.llamacpp import build_lib, build_tools, PIPELINE_TOOLS
-import os
-print(build_lib()); os.environ.get('LIBONLY') or print(build_tools(tools=PIPELINE_TOOLS))" > $O/bootstrap.log 2>&1 || tail -30 $O/bootstrap.log
-echo "[gpu] built in $(( $(date +%s) - t0 )) s" | tee -a $O/progress.txt
+source benchmarks/gpu_cli/setup.sh
 python3 -c "import torch; print('[gpu]', torch.__version__, torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no cuda')"
 M=/tmp/smol-random-${LAYERS:-30}
 [ -f $M/model.safetensors ] || python3 benchmarks/gpu_cli/make_model.py .gpu/tokenizer $M ${LAYERS:-30} 2>&1 | tail -1
