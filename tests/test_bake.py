@@ -1,11 +1,12 @@
 """voodoo.bake: argmax, --tensor_upgrades guardrails, repair to the budget."""
 
 import json
+import math
 
 import pytest
 import torch
 
-from voodoo.bake import bake, parse_tensor_upgrades
+from voodoo.bake import PLAUSIBLE, bake, parse_tensor_upgrades
 from voodoo.quants import DEFAULT_NON_ATTENTION_MENU, build_menu, tensor_nbytes
 
 
@@ -193,17 +194,18 @@ def test_unreachable_and_mismatched_inputs():
 
 
 def test_repair_is_the_most_probable_assignment_in_the_window():
-    """Over the window, the repair returns the assignment of largest total gate log-probability
-    whose total lies in [budget*(1-tol), budget*(1+tol)]; under it, the most probable such
-    assignment that moves no tensor below its argmax type (more bytes never cost a tensor
-    bits), and where none exists the argmax stays, under the window, with a warning (brute force
-    over 3^6 assignments, random instances)."""
+    """Over the window [budget*(1-tol), budget*(1+tol)], the repair takes the assignment of
+    largest total gate log-probability inside it among the types each gate finds plausible
+    (p >= PLAUSIBLE, or its argmax), else the most probable one under its upper end; under the
+    window (from the argmax or after that), the most probable upgrades inside it, none moved
+    below its rung, and where none exists it stays under, with a warning (brute force over 3^6
+    assignments, random instances)."""
     import itertools
     import warnings
     g = torch.Generator().manual_seed(7)
     types = ["Q8_0", "Q5_0", "Q4_0"]
-    seen = {"over": 0, "under": 0, "stays under": 0}
-    for trial in range(40):
+    seen = {"in the window": 0, "stays under": 0, "over": 0, "under": 0}
+    for trial in range(60):
         names = [f"t{i}" for i in range(6)]
         nb = {n: sorted(torch.randint(50, 2000, (3,), generator=g).tolist(), reverse=True)
               for n in names}
@@ -212,37 +214,43 @@ def test_repair_is_the_most_probable_assignment_in_the_window():
         hi_b = sum(max(v) for v in nb.values())
         budget = int(lo_b + (0.1 + 0.8 * torch.rand(1, generator=g).item()) * (hi_b - lo_b))
         tol = 0.05
+        lower, upper = budget * (1 - tol), budget * (1 + tol)
         lp = {n: torch.log_softmax(logits[n].double(), 0).tolist() for n in names}
-        arg = {n: max(range(3), key=lambda k: (lp[n][k], -k)) for n in names}
-        t_arg = sum(nb[n][arg[n]] for n in names)
-        if budget * (1 - tol) <= t_arg <= budget * (1 + tol):
+        combos = list(itertools.product(range(3), repeat=6))
+
+        def total(c):
+            return sum(nb[n][k] for n, k in zip(names, c))
+
+        def logp(c):
+            return sum(lp[n][k] for n, k in zip(names, c))
+
+        start = tuple(max(range(3), key=lambda k: (lp[n][k], -k)) for n in names)
+        if lower <= total(start) <= upper:
             continue   # no repair
-        over = t_arg > budget * (1 + tol)
+        seen["over" if total(start) > upper else "under"] += 1
+        if total(start) > upper:
+            ok = [c for c in combos if lower <= total(c) <= upper and all(
+                k == s or math.exp(lp[n][k]) >= PLAUSIBLE for n, k, s in zip(names, c, start))]
+            start = max(ok or [c for c in combos if total(c) <= upper], key=logp)
+        want = start
+        if total(start) < lower:
+            ups = [c for c in combos if lower <= total(c) <= upper
+                   and all(k <= s for k, s in zip(c, start))]
+            want = max(ups, key=logp) if ups else start
         with warnings.catch_warnings(record=True) as w:
             warnings.simplefilter("always")
             a = bake(logits, {n: types for n in names}, nb, budget, tolerance=tol)
-        best = None
-        for combo in itertools.product(range(3), repeat=6):
-            if not over and any(k > arg[n] for n, k in zip(names, combo)):
-                continue
-            t = sum(nb[n][k] for n, k in zip(names, combo))
-            if budget * (1 - tol) <= t <= budget * (1 + tol):
-                v = sum(lp[n][k] for n, k in zip(names, combo))
-                best = v if best is None else max(best, v)
-        got = {n: types.index(a["tensors"][n]["type"]) for n in names}
-        if not over:
-            assert all(got[n] <= arg[n] for n in names), trial   # nothing below its argmax
-        if best is None:
-            if over:
-                continue  # no assignment fits this window: the greedy fallback's business
-            assert a["total_bytes"] < budget * (1 - tol), trial
+        got = tuple(types.index(a["tensors"][n]["type"]) for n in names)
+        assert a["total_bytes"] <= upper
+        if total(want) < lower:   # nothing lands: upgrades only (the greedy's), still under
+            assert all(k <= s for k, s in zip(got, start)), trial
+            assert a["total_bytes"] < lower, trial
             assert any("under the budget" in str(x.message) for x in w), trial
             seen["stays under"] += 1
-            continue
-        seen["over" if over else "under"] += 1
-        assert budget * (1 - tol) <= a["total_bytes"] <= budget * (1 + tol)
-        assert sum(lp[n][got[n]] for n in names) == pytest.approx(best, abs=1e-9), trial
-    assert all(seen.values()), seen   # the instances reach all three cases
+        else:
+            assert logp(got) == pytest.approx(logp(want), abs=1e-9), trial
+            seen["in the window"] += 1
+    assert all(seen.values()), seen   # the instances reach every case
 
 
 def test_under_the_budget_no_tensor_is_demoted_to_land_in_the_window():
@@ -337,3 +345,29 @@ def test_fill_spends_the_slack_where_the_costs_fall_most():
     with pytest.raises(ValueError, match="fill_costs"):
         bake(logits, menus, nbytes, total + slack, ceiling=True, tolerance=0.5,
              fill_costs={n: [0.0] for n in names})
+
+
+def test_over_the_budget_no_tensor_takes_an_implausible_type_to_land_in_the_window():
+    """Breaker 4's ministral3 with --match_size: the argmax is over; landing inside the window
+    takes types the gates give p ~ 1e-9 (both blocks down, so that token_embd keeps Q8_0 and
+    the head drops two rungs). The repair takes the most probable assignment under the upper
+    end instead (token_embd one rung down, a coin toss for its gate), under the window, with a
+    warning."""
+    menus = {"token_embd.weight": ["Q8_0", "Q5_1", "IQ4_NL"],
+             "output.weight": ["Q8_0", "Q5_1", "IQ4_NL"],
+             "blk.0.attn_q.weight": ["Q8_0", "Q5_0", "IQ4_NL"],
+             "blk.0.ffn_down.weight": ["Q8_0", "Q5_0", "IQ4_NL"]}
+    nb = {"token_embd.weight": [2000, 1400, 1000], "output.weight": [2000, 1400, 1000],
+          "blk.0.attn_q.weight": [100, 60, 40], "blk.0.ffn_down.weight": [100, 60, 40]}
+    logits = {"token_embd.weight": torch.tensor([0.1, 0.0, -10.0]),   # Q8_0 0.52, Q5_1 0.48
+              "output.weight": torch.tensor([0.0, 0.3, -5.0]),        # Q5_1, IQ4_NL p 0.004
+              "blk.0.attn_q.weight": torch.tensor([20.0, 0.0, 0.0]),
+              "blk.0.ffn_down.weight": torch.tensor([20.0, 0.0, 0.0])}
+    # argmax 2000 + 1400 + 200 = 3600; window [3118.5, 3181.5]: only 2000 + 1000 + 60 + 60
+    # (or 100 + 40) lands in it
+    with pytest.warns(UserWarning, match="under the budget"):
+        a = bake(logits, menus, nb, 3150, tolerance=0.01)
+    assert {n: t["type"] for n, t in a["tensors"].items()} == {
+        "token_embd.weight": "Q5_1", "output.weight": "Q5_1",
+        "blk.0.attn_q.weight": "Q8_0", "blk.0.ffn_down.weight": "Q8_0"}
+    assert a["total_bytes"] == 3000

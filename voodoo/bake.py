@@ -12,20 +12,25 @@ Three steps, all deterministic:
    upgraded tensor is not moved below it, a downgraded one not above it, by the repair step --
    unless the budget cannot be met otherwise.
 3. **repair** to the budget, when the argmax total is outside ``budget * (1 -/+ tolerance)``.
-   Over it: the assignment of largest total gate log-probability whose total lies inside that
-   window, found exactly by dynamic programming over bytes (a multiple-choice knapsack; sizes in
-   units of about budget/200,000 bytes, rounded so the true total stays inside), first within the
-   guardrails, then without them (a warning names every tensor whose guardrail gave way). Under
-   it: the same, over **upgrades only** (every tensor at its argmax type or above, within the
-   guardrails): more bytes never cost a tensor bits. Where no upgrades land in the window the
-   file stays under it, with a warning. (Landing there at any price promoted a big tensor of a
-   tiny model and paid with types its gates gave p ~ 0 elsewhere: 6-9x the KLD of the argmax
-   file, found by a tester on ministral3 and an IQ4_XS-born llama.) A greedy repair remains as
-   the fallback for windows too narrow for that resolution: while over, the move down with the
-   smallest drop in log-probability per byte saved; while under, the move up with the least loss
-   per byte spent that stays under the upper end. Log-probabilities are ``log_softmax(logits /
-   temperature)``. (The greedy alone, ranking per byte, demoted the largest tensor first whenever
-   its logits were close, even when the trained gates clearly preferred keeping it.)
+   Over it: the assignment of largest total gate log-probability inside that window, found
+   exactly by dynamic programming over bytes (a multiple-choice knapsack; sizes in units of
+   about budget/200,000 bytes, rounded so the true total stays inside) among the types each
+   gate finds plausible (probability at least :data:`PLAUSIBLE`, or its argmax), within the
+   guardrails; where none lands there, the most probable assignment under the upper end, within
+   the guardrails, then without them (a warning names every tensor whose guardrail gave way).
+   Under the window (from the argmax, or after that): the most probable **upgrades only** (every
+   tensor at its rung or above, within the guardrails) that land inside it: more bytes never
+   cost a tensor bits. Where none lands there the file stays under, with a warning, and the fill
+   (4) spends what it can. (Landing inside the window at any price, the old rule, promoted a big
+   tensor of a tiny model and paid with types of p ~ 0 everywhere else: 6-9x the KLD of the
+   argmax file, found by a tester on ministral3 and an IQ4_XS-born llama. With many tensors
+   the most probable total under the upper end lies inside the window anyway.) A greedy repair
+   remains as the fallback for windows too narrow for that resolution: while over, the move down
+   with the smallest drop in log-probability per byte saved; while under, the move up with the
+   least loss per byte spent that stays under the upper end. Log-probabilities are
+   ``log_softmax(logits / temperature)``. (The greedy alone, ranking per byte, demoted the
+   largest tensor first whenever its logits were close, even when the trained gates clearly
+   preferred keeping it.)
 
 4. **fill** (only given ``fill_costs``, e.g. the Fisher prior's predicted KL per type): bytes
    still left under the budget are spent on the upgrades that lower the summed cost most
@@ -56,6 +61,9 @@ from .budget import min_cost_assignment
 __all__ = ["bake", "parse_tensor_upgrades", "DEFAULT_TOLERANCE"]
 
 DEFAULT_TOLERANCE = 0.005
+#: Over the budget, the repair lands inside the window only by moving tensors to types their
+#: gates give at least this probability (module docstring, step 3)
+PLAUSIBLE = 1e-3
 
 
 def parse_tensor_upgrades(spec) -> list[tuple[re.Pattern, int]]:
@@ -210,21 +218,32 @@ def bake(gate_logits: Mapping[str, Sequence[float] | torch.Tensor],
             if spent > 0:
                 yield (-(lp[n][j] - lp[n][c]) / spent, n, j, c)
 
-    if not lower <= total <= upper:
-        # exact: the assignment of most total log-probability inside [lower, upper]; the
-        # guardrails are dropped only when nothing within them gets under the upper end
-        # (never to spend more bytes: then the best within them under the upper end)
-        if total > upper:
-            tries = [(lo, hi, lower), (lo, hi, 0), (full_lo, full_hi, lower)]
-        else:   # under: upgrades only, every tensor at its argmax or above (module docstring)
-            tries = [({n: min(lo[n], cur[n]) for n in names}, cur, lower)]
-        for lo_, hi_, floor in tries:
-            got = min_cost_assignment({n: [-v for v in lp[n]] for n in names}, nb, floor,
-                                      upper, {n: (lo_[n], hi_[n]) for n in names})
-            if got is not None:
+    neg = {n: [-v for v in lp[n]] for n in names}
+    if total > upper:
+        # exact: the most probable assignment inside the window of types the gates find
+        # plausible (p >= PLAUSIBLE, or the argmax), within the guardrails; else the most
+        # probable one under the upper end, within the guardrails, else without them. Not
+        # "inside the window at any price": with coarse steps that took types of p ~ 0
+        # everywhere (module docstring)
+        big = 1e30
+        odd = {n: [v if probs[n][k] >= PLAUSIBLE or k == cur[n] else big
+                   for k, v in enumerate(neg[n])] for n in names}
+        for cost, lo_, hi_, floor in ((odd, lo, hi, lower), (neg, lo, hi, 0),
+                                      (neg, full_lo, full_hi, 0)):
+            got = min_cost_assignment(cost, nb, floor, upper,
+                                      {n: (lo_[n], hi_[n]) for n in names})
+            if got is not None and all(cost[n][got[n]] < big for n in names):
                 cur = got
                 total = sum(nb[n][cur[n]] for n in names)
                 break
+    if total < lower:
+        # exact: the most probable upgrades (every tensor at its rung or above, within the
+        # guardrails) that land inside the window; none: it stays under, with a warning
+        got = min_cost_assignment(neg, nb, lower, upper,
+                                  {n: (min(lo[n], cur[n]), cur[n]) for n in names})
+        if got is not None:
+            cur = got
+            total = sum(nb[n][cur[n]] for n in names)
 
     for hi_ in (hi, full_hi):  # greedy fallback; guardrails first, dropped only if needed
         if total <= upper:
