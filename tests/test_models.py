@@ -313,6 +313,76 @@ def test_converter_sees_raw_config_keys_transformers_drops(tmp_path):
     assert res["kld_mean"] < 1e-4 and res["same_top_p"] > 0.99, res
 
 
+#: the keys of a real dense Nemotron-H config.json (NVIDIA-Nemotron-Nano-9B-v2): no MoE keys
+_NEMOTRON_H_DENSE_KEYS = """architectures attention_bias attention_dropout bos_token_id chunk_size
+conv_kernel eos_token_id head_dim hidden_dropout hidden_size initializer_range intermediate_size
+layer_norm_epsilon mamba_head_dim mamba_hidden_act mamba_num_heads mamba_proj_bias
+max_position_embeddings mlp_bias mlp_hidden_act model_type n_groups num_attention_heads
+num_key_value_heads num_logits_to_keep pad_token_id rescale_prenorm_residual residual_in_fp32
+sliding_window ssm_state_size tie_word_embeddings time_step_floor time_step_max time_step_min
+use_bias use_cache use_conv_bias use_mamba_kernels vocab_size""".split()
+
+
+@pytest.mark.slow
+def test_remote_code_checkpoint_gets_no_class_defaults(tmp_path):
+    """A dense Nemotron-H checkpoint (remote code: ``auto_map`` in config.json, layers from
+    ``hybrid_override_pattern``, no MoE keys). transformers 5's native class adds
+    ``num_experts_per_tok=2``, ``n_routed_experts=8`` and ``n_group=1``; the converter tests
+    them for presence and wrote an MoE (``nemotron_h_moe``, then ``expert_count`` 8 on a dense
+    file) that llama.cpp refused to load. Through Voodoo the converter reads the checkpoint's
+    own keys: a dense ``nemotron_h`` GGUF with no expert metadata, on which llama.cpp computes
+    what transformers computes."""
+    import sys
+    from pathlib import Path
+
+    from voodoo.agreement import preflight
+    from voodoo.llamacpp import LlamaCppNotBuilt, source_dir, tool_path
+    from voodoo.models import convert_hf_to_f32_gguf
+    try:
+        source_dir()
+        tool_path("llama-perplexity")
+    except LlamaCppNotBuilt as e:
+        pytest.skip(str(e))
+    sys.path.insert(0, str(Path(__file__).parent))
+    from transformers import AutoConfig
+    from zoo import _build, zoo_tokens
+
+    d = _build("NemotronHForCausalLM", dict(
+        model_type="nemotron_h", hidden_size=128, intermediate_size=256, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, mamba_num_heads=8, mamba_head_dim=32,
+        ssm_state_size=32, n_groups=1, chunk_size=64, conv_kernel=4, mlp_hidden_act="relu2",
+        layers_block_type=["mamba", "attention", "mlp"], tie_word_embeddings=False), {},
+        tmp_path / "nemotron-h", seed=0)
+    cfg = {k: v for k, v in json.loads((d / "config.json").read_text()).items()
+           if k in _NEMOTRON_H_DENSE_KEYS}
+    cfg.update(hybrid_override_pattern="M*-", time_step_limit=[0.0, float("inf")],
+               auto_map={"AutoConfig": "configuration_nemotron_h.NemotronHConfig",
+                         "AutoModelForCausalLM": "modeling_nemotron_h.NemotronHForCausalLM"})
+    (d / "config.json").write_text(json.dumps(cfg, indent=2))
+    assert AutoConfig.from_pretrained(d).to_dict().get("num_experts_per_tok")  # what broke it
+    p = prepare_model(d, work_dir=tmp_path / "w")
+    r = read_gguf(p.base_gguf)
+    assert r.fields["general.architecture"].contents() == "nemotron_h"
+    assert not [k for k in r.fields if "expert" in k], [k for k in r.fields if "expert" in k]
+    assert r.fields["nemotron_h.feed_forward_length"].contents() == [0, 0, 256]
+    model = load_hf_model(p)
+    tokens = zoo_tokens(model.config.vocab_size, n_chunk=2, n_ctx=128, seed=1)
+    res = preflight(model, p.base_gguf, tokens, threads=2)
+    assert res["kld_mean"] < 1e-4 and res["same_top_p"] > 0.99, res
+
+    # a config.json that leaves keys the converter needs to transformers' defaults: those
+    # (and only those) are passed after the converter names them in a KeyError
+    del cfg["n_groups"], cfg["ssm_state_size"]
+    (d / "config.json").write_text(json.dumps(cfg, indent=2))
+    out = convert_hf_to_f32_gguf(d, tmp_path / "w" / "lean.gguf")
+    f = read_gguf(out).fields
+    want = AutoConfig.from_pretrained(d)
+    assert f["general.architecture"].contents() == "nemotron_h"
+    assert not [k for k in f if "expert" in k]
+    assert f["nemotron_h.ssm.state_size"].contents() == want.ssm_state_size
+    assert f["nemotron_h.ssm.group_count"].contents() == want.n_groups
+
+
 def test_converter_failures_name_the_missing_piece(tiny_model_dir, tmp_path):
     """When the converter fails for want of a config.json key it reads (a GPT-NeoX config
     saved by transformers 5, with ``rotary_pct`` only inside ``rope_parameters``) or of the

@@ -605,8 +605,16 @@ def converter_options(hf_config: dict, user_args: Sequence[str] = (),
 #: ``rotary_pct`` goes into ``rope_parameters``: ``KeyError: 'rotary_pct'`` in
 #: conversion/gptneox.py; Nemotron-H's ``hybrid_override_pattern`` becomes None). Raw keys are
 #: added where absent or None, recursively into sub-dicts present in both (``text_config``); a
-#: value transformers produced is never overridden. Keys transformers 5 adds with defaults
-#: (Nemotron-H's MoE keys on a dense config) stay: the converter may read them.
+#: value transformers produced is never overridden. One exception, for checkpoints published
+#: with remote code (``auto_map.AutoConfig`` in config.json, e.g. every Nemotron-H): keys that
+#: config.json lacks and that transformers filled with its config class's defaults are taken
+#: out again (keys it derived from config.json, such as Nemotron-H's ``layers_block_type``
+#: from ``hybrid_override_pattern``, stay). llama.cpp's converter met such checkpoints through
+#: their raw config.json (transformers 4.57 had no native class for them), and tests keys for
+#: presence (``"num_experts_per_tok" in hparams``, ``find_hparam``): a later native class's
+#: defaults would tell it what the checkpoint does not say. transformers 5 gives a dense
+#: Nemotron-H ``num_experts_per_tok=2`` and ``n_routed_experts=8``, and the converter then
+#: wrote an MoE (``nemotron_h_moe``) that llama.cpp cannot load.
 _CONVERTER_SHIM = r"""
 import json, runpy, sys
 from pathlib import Path
@@ -623,6 +631,30 @@ def _add_missing(have, raw):
             _add_missing(have[k], v)
     return have
 
+_said = set()
+
+def _drop_remote_code_defaults(config, raw):
+    import os
+    keep = set(filter(None, os.environ.get("VOODOO_CONVERTER_KEEP_DEFAULTS", "").split(",")))
+    if not (isinstance(raw.get("auto_map"), dict) and "AutoConfig" in raw["auto_map"]) \
+            or "*" in keep:
+        return
+    try:
+        from transformers import CONFIG_MAPPING
+        default = CONFIG_MAPPING[raw["model_type"]]().to_dict()
+    except Exception:
+        return
+    dropped = [k for k in list(config) if k not in raw and k not in keep and k in default
+               and config[k] == default[k]]
+    for k in dropped:
+        del config[k]
+    if dropped and tuple(dropped) not in _said:
+        _said.add(tuple(dropped))
+        print(f"[voodoo] a remote-code checkpoint: the converter reads its config.json, "
+              f"not the {len(dropped)} defaults the installed transformers' {raw['model_type']} "
+              f"class adds ({', '.join(dropped[:6])}{', ...' if len(dropped) > 6 else ''})",
+              flush=True)
+
 _orig = _base.ModelBase.load_hparams
 
 def load_hparams(dir_model, is_mistral_format, *a, **kw):
@@ -635,6 +667,7 @@ def load_hparams(dir_model, is_mistral_format, *a, **kw):
             raw = None
         if isinstance(raw, dict):
             _add_missing(config, raw)
+            _drop_remote_code_defaults(config, raw)
     return config
 
 _base.ModelBase.load_hparams = staticmethod(load_hparams)
@@ -649,6 +682,37 @@ def converter_command(script: str | os.PathLike, *args: str) -> list[str]:
     the installed transformers' ``to_dict()`` lost. Needs the pinned source's ``gguf-py`` on
     ``PYTHONPATH``, as the script itself does."""
     return [sys.executable, "-c", _CONVERTER_SHIM, str(script), *map(str, args)]
+
+
+#: The line the shim prints when it withholds a remote-code checkpoint's class defaults.
+_SHIM_DROPPED = "a remote-code checkpoint: the converter reads its config.json"
+
+
+def run_converter(cmd: Sequence[str], env: dict, timeout: float | None = None
+                  ) -> subprocess.CompletedProcess:
+    """Runs a :func:`converter_command` (stdout and stderr together, as text). Where the shim
+    withheld a remote-code checkpoint's class defaults (:data:`_CONVERTER_SHIM`) and the
+    converter then stopped on a ``KeyError`` (``'key'``, or ``find_hparam``'s "could not find
+    any of: [...]"), it runs again with the defaults of those keys passed
+    (``VOODOO_CONVERTER_KEEP_DEFAULTS=key,...``), up to 8 times, then once with all of them
+    (``*``): a config.json that relies on transformers' defaults still converts."""
+    def run(keep):
+        e = {**env, "VOODOO_CONVERTER_KEEP_DEFAULTS": ",".join(sorted(keep))} if keep else env
+        return subprocess.run(cmd, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True, errors="replace", timeout=timeout)
+    keep: set[str] = set()
+    r = run(keep)
+    for _ in range(9):
+        if not (r.returncode and _SHIM_DROPPED in r.stdout and "KeyError" in r.stdout):
+            break
+        named = set(re.findall(r"KeyError: '([^']+)'", r.stdout))
+        for group in re.findall(r"could not find any of: \[([^\]]*)\]", r.stdout):
+            named.update(re.findall(r"'([^']+)'", group))
+        keep = keep | named if named - keep and len(keep) < 64 and _ < 8 else {"*"}
+        r = run(keep)
+        if "*" in keep:
+            break
+    return r
 
 
 def convert_hf_to_f32_gguf(hf_dir: str | os.PathLike, out: str | os.PathLike,
@@ -680,8 +744,7 @@ def convert_hf_to_f32_gguf(hf_dir: str | os.PathLike, out: str | os.PathLike,
                             "--outfile", tmp, *extra_args)
     _log(f"converting {hf_dir} to an F32 GGUF with llama.cpp's convert_hf_to_gguf.py")
     try:
-        r = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                           text=True, errors="replace", timeout=timeout)
+        r = run_converter(cmd, env=env, timeout=timeout)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise

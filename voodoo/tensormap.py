@@ -41,7 +41,6 @@ import math
 import os
 import re
 import shutil
-import subprocess
 import tempfile
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -410,10 +409,8 @@ def _run_converter(runs: list[tuple[Path, Path]], converter_args, spec_path: Pat
     spec_path.write_text(json.dumps({"runs": [[str(a), str(b)] for a, b in runs],
                                      "flags": list(converter_args)}))
     script = Path(__file__).with_name("_converter_probe.py")
-    from .models import converter_command  # raw config.json keys transformers 5 drops
-    r = subprocess.run(converter_command(script, str(src), str(spec_path)), env=env,
-                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                       errors="replace")
+    from .models import converter_command, run_converter  # raw config.json keys
+    r = run_converter(converter_command(script, str(src), str(spec_path)), env=env)
     if r.returncode == 3:
         arch = r.stdout.strip().splitlines()[-1].replace("UNSUPPORTED ", "")
         raise UnsupportedArchitecture(
