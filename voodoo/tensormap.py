@@ -34,6 +34,7 @@ No architecture names here; nothing imports Ray.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import json
@@ -398,6 +399,19 @@ def _probe_multipliers(shapes: list[tuple]) -> list[float]:
     return out
 
 
+@contextlib.contextmanager
+def _quiet_transformers():
+    """transformers' progress bars off inside the block (as they were after it)."""
+    from transformers.utils import logging as tlog
+    was = tlog.is_progress_bar_enabled()
+    tlog.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            tlog.enable_progress_bar()
+
+
 def _run_converter(runs: list[tuple[Path, Path]], converter_args, spec_path: Path) -> list[dict]:
     """Runs :mod:`voodoo._converter_probe` once over ``runs`` ([(hf_dir, out_prefix)]) with the
     pinned source's gguf-py; returns each run's metadata."""
@@ -569,7 +583,8 @@ def derive_tensor_map(model: torch.nn.Module, hf_dir: str | os.PathLike,
                     p = probe_params[n]
                     p.copy_(_probe_values(int(off), int(sz), digit).mul_(c).reshape(p.shape))
             d = work / f"ckpt{pi}"
-            probe.save_pretrained(d, safe_serialization=True)
+            with _quiet_transformers():   # its "Writing model shards" bar, once a probe
+                probe.save_pretrained(d, safe_serialization=True)
             # the converter reads the model's own config.json and tokenizer files (which
             # transformers may spell differently when it saves: e.g. layer_types)
             for f in hf_dir.iterdir():
