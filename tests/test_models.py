@@ -593,3 +593,45 @@ def test_remote_code_model_needs_trust_remote_code(tmp_path, monkeypatch):
     r = subprocess.run([sys.executable, "-c", code, str(d)], capture_output=True, text=True,
                        timeout=300)
     assert r.stdout.strip().splitlines()[-1] == "1", r.stdout + r.stderr
+
+
+@pytest.mark.slow
+def test_probe_checkpoints_keep_the_checkpoints_tensor_names(tmp_path):
+    """transformers 5.25 saves Kimi-Linear's dense layer-0 MLP as ``block_sparse_moe.*`` (its
+    rename on save is not the inverse of the one on load), a name llama.cpp's converter cannot
+    map, though it converts the published layout (``mlp.*``). The tensor map's probe
+    checkpoints are written with the model folder's own tensor names, so the map derives and
+    agrees with the base GGUF element for element."""
+    import sys
+    from pathlib import Path
+
+    from safetensors.torch import load_file, save_file
+
+    from voodoo.llamacpp import LlamaCppNotBuilt, source_dir
+    from voodoo.pipeline import load_context
+    try:
+        source_dir()
+    except LlamaCppNotBuilt as e:
+        pytest.skip(str(e))
+    sys.path.insert(0, str(Path(__file__).parent))
+    from zoo import _build
+
+    d = _build("KimiLinearForCausalLM", dict(
+        model_type="kimi_linear", hidden_size=128, intermediate_size=256,
+        moe_intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=None, qk_rope_head_dim=16,
+        qk_nope_head_dim=32, v_head_dim=32, layer_types=["linear_attention", "full_attention"],
+        mlp_layer_types=["dense", "sparse"], linear_head_dim=32, linear_num_heads=4,
+        num_experts=4, num_experts_per_token=2, num_shared_experts=1),
+        # keys of a published config.json that transformers 5 folds away when it saves
+        {"config_json": {"linear_attn_config": {
+            "full_attn_layers": [2], "kda_layers": [1], "head_dim": 32, "num_heads": 4,
+            "short_conv_kernel_size": 4}, "first_k_dense_replace": 1,
+            "moe_router_activation_func": "sigmoid"}},
+        tmp_path / "kimi-linear", seed=0)
+    sd = load_file(str(d / "model.safetensors"))
+    assert any(".layers.0.block_sparse_moe." in k for k in sd)   # what transformers saves
+    sd = {k.replace(".layers.0.block_sparse_moe.", ".layers.0.mlp."): v for k, v in sd.items()}
+    save_file(sd, str(d / "model.safetensors"), metadata={"format": "pt"})   # the hub layout
+    ctx = load_context(d, work_dir=tmp_path / "w", with_tokenizer=False)   # check=True
+    assert "blk.0.ffn_down.weight" in ctx.tmap.names, ctx.tmap.names

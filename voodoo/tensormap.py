@@ -399,6 +399,81 @@ def _probe_multipliers(shapes: list[tuple]) -> list[float]:
     return out
 
 
+def _safetensors_keys(d: Path) -> dict[str, Path]:
+    """tensor name -> the ``*.safetensors`` file of folder ``d`` that holds it (headers only)."""
+    from safetensors import safe_open
+    out = {}
+    for f in sorted(d.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as h:
+            out.update((k, f) for k in h.keys())
+    return out
+
+
+def _source_layout(hf_dir: Path, model, saved_dir: Path, real_dir: Path) -> dict[str, str]:
+    """The renames that give a probe checkpoint the tensor names of the model's own checkpoint
+    (``{saved name: source name}``; empty where they are the same, the usual case).
+
+    transformers renames checkpoint tensors when it loads (its conversion mapping) and renames
+    them back when it saves; where the way back is not the way in (transformers 5.25 saves
+    Kimi-Linear's dense layer-0 MLP as ``block_sparse_moe.*``, DeepSeek-V4's tensors with a
+    ``model.`` prefix its checkpoints lack), llama.cpp's converter, written for the published
+    layout, cannot map the probes' names, though it converts the model's own folder. Each
+    tensor that only the saved layout has is matched to the one tensor of the same shape and
+    values among those only the source has (the model's weights written once to
+    ``real_dir``); if any stays unmatched (a tensor saved merged or split), nothing is renamed
+    and the probes keep transformers' layout, as before."""
+    import torch
+    from safetensors import safe_open
+    src = _safetensors_keys(hf_dir)
+    saved = _safetensors_keys(saved_dir)
+    only_saved = sorted(set(saved) - set(src))
+    if not src or not only_saved:
+        return {}
+    only_src = sorted(set(src) - set(saved))
+    with _quiet_transformers():
+        model.save_pretrained(real_dir, safe_serialization=True)
+    real = _safetensors_keys(real_dir)
+
+    def load(files, k):
+        with safe_open(str(files[k]), "pt") as h:
+            return h.get_tensor(k)
+    by_shape: dict[tuple, list[str]] = {}
+    for k in only_src:
+        with safe_open(str(src[k]), "pt") as h:
+            by_shape.setdefault(tuple(h.get_slice(k).get_shape()), []).append(k)
+    renames: dict[str, str] = {}
+    for k in only_saved:
+        if k not in real:
+            return {}
+        t = load(real, k)
+        hits = [c for c in by_shape.get(tuple(t.shape), []) if c not in renames.values()
+                and torch.equal(t.to(load(src, c).dtype), load(src, c))]
+        if len(hits) != 1:
+            _log(f"the probe checkpoints keep transformers' tensor names: {k} (as transformers "
+                f"saves it) matches {len(hits)} tensors of {hf_dir}")
+            return {}
+        renames[k] = hits[0]
+    shutil.rmtree(real_dir, ignore_errors=True)
+    return renames
+
+
+def _rename_tensors(d: Path, renames: dict[str, str]) -> None:
+    """Renames tensors in folder ``d``'s safetensors files (and its index) by ``renames``."""
+    if not renames:
+        return
+    from safetensors.torch import load_file, save_file
+    for f in sorted(d.glob("*.safetensors")):
+        sd = load_file(str(f))
+        if any(k in renames for k in sd):
+            save_file({renames.get(k, k): v for k, v in sd.items()}, str(f),
+                      metadata={"format": "pt"})
+    idx = d / "model.safetensors.index.json"
+    if idx.is_file():
+        j = json.loads(idx.read_text())
+        j["weight_map"] = {renames.get(k, k): v for k, v in j.get("weight_map", {}).items()}
+        idx.write_text(json.dumps(j, indent=2))
+
+
 @contextlib.contextmanager
 def _quiet_transformers():
     """transformers' progress bars off inside the block (as they were after it)."""
@@ -593,6 +668,9 @@ def derive_tensor_map(model: torch.nn.Module, hf_dir: str | os.PathLike,
                         not f.name.endswith(".index.json"):
                     shutil.copy(f, d / f.name)
             runs.append((d, work / f"out{pi}"))
+        renames = _source_layout(hf_dir, model, runs[0][0], work / "real")
+        for d, _ in runs:
+            _rename_tensors(d, renames)
         if progress:
             _log(f"deriving the tensor map: llama.cpp's converter on {len(runs)} probe "
                  f"checkpoints of {total:,} parameters")
