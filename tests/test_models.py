@@ -635,3 +635,22 @@ def test_probe_checkpoints_keep_the_checkpoints_tensor_names(tmp_path):
     save_file(sd, str(d / "model.safetensors"), metadata={"format": "pt"})   # the hub layout
     ctx = load_context(d, work_dir=tmp_path / "w", with_tokenizer=False)   # check=True
     assert "blk.0.ffn_down.weight" in ctx.tmap.names, ctx.tmap.names
+
+
+def test_map_check_names_a_zeroed_padding_row():
+    """A base GGUF that differs from transformers' model only in rows transformers holds as
+    zeros (Youtu's class zeroes the padding row after the checkpoint is loaded) is reported as
+    that, naming the rows and the config's pad_token_id, not as a wrong tensor map."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from voodoo.tensormap import _few_rows
+    ref = torch.randn(8, 4)
+    got = ref.clone()
+    got[2] = 0
+    model = SimpleNamespace(config=SimpleNamespace(pad_token_id=2))
+    note = _few_rows(got, ref, 1e-5, 1e-6, model)
+    assert "only row 2" in note and "pad_token_id is 2" in note, note
+    got[5] = 1.0   # a row that is not zeros: a real disagreement, no note
+    assert _few_rows(got, ref, 1e-5, 1e-6, model) == ""

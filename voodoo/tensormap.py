@@ -725,6 +725,23 @@ def derive_tensor_map(model: torch.nn.Module, hf_dir: str | os.PathLike,
 
 
 @torch.no_grad()
+def _few_rows(got: torch.Tensor, ref: torch.Tensor, rtol, atol, model) -> str:
+    """Where only a few rows differ and transformers' copy holds zeros there (e.g. an
+    embedding's padding row, which some model classes zero when they initialise, after the
+    checkpoint is loaded): a note naming them and the config's pad_token_id; else ""."""
+    if got.dim() != 2:
+        return ""
+    bad = (~torch.isclose(got, ref, rtol=rtol, atol=atol)).any(dim=1).nonzero().flatten()
+    if not 0 < len(bad) <= 4 or bool(got[bad].abs().max() > 0):
+        return ""
+    pad = getattr(getattr(model, "config", None), "pad_token_id", None)
+    rows = ", ".join(str(int(r)) for r in bad)
+    return (f": only row{'s' if len(bad) > 1 else ''} {rows}, which transformers' model holds "
+            f"as zeros and the checkpoint does not (config.json's pad_token_id is {pad}: a "
+            "model class that zeroes its padding row after loading changes the weights; set "
+            "pad_token_id to null in config.json, or report it to transformers)")
+
+
 def check_against_base(tmap: TensorMap, model: torch.nn.Module, base_weights: dict,
                        rtol: float = 1e-5, atol: float = 1e-6) -> None:
     """Checks that the model's parameters mapped through ``tmap`` equal the base F32 GGUF's
@@ -745,4 +762,5 @@ def check_against_base(tmap: TensorMap, model: torch.nn.Module, base_weights: di
             diff = float((got - ref).abs().max())
             raise TensorMapError(f"{e.gguf_name}: the model's weights mapped through the derived "
                                  f"tensor map differ from the base F32 GGUF (max |diff| "
-                                 f"{diff:.3g}); the map is wrong for this model")
+                                 f"{diff:.3g})" + (_few_rows(got, ref, rtol, atol, model)
+                                                   or "; the map is wrong for this model"))
