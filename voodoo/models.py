@@ -605,16 +605,16 @@ def converter_options(hf_config: dict, user_args: Sequence[str] = (),
 #: ``rotary_pct`` goes into ``rope_parameters``: ``KeyError: 'rotary_pct'`` in
 #: conversion/gptneox.py; Nemotron-H's ``hybrid_override_pattern`` becomes None). Raw keys are
 #: added where absent or None, recursively into sub-dicts present in both (``text_config``); a
-#: value transformers produced is never overridden. One exception, for checkpoints published
-#: with remote code (``auto_map.AutoConfig`` in config.json, e.g. every Nemotron-H): keys that
-#: config.json lacks and that transformers filled with its config class's defaults are taken
-#: out again (keys it derived from config.json, such as Nemotron-H's ``layers_block_type``
-#: from ``hybrid_override_pattern``, stay). llama.cpp's converter met such checkpoints through
-#: their raw config.json (transformers 4.57 had no native class for them), and tests keys for
-#: presence (``"num_experts_per_tok" in hparams``, ``find_hparam``): a later native class's
-#: defaults would tell it what the checkpoint does not say. transformers 5 gives a dense
-#: Nemotron-H ``num_experts_per_tok=2`` and ``n_routed_experts=8``, and the converter then
-#: wrote an MoE (``nemotron_h_moe``) that llama.cpp cannot load.
+#: value transformers produced is never overridden. One exception: a checkpoint published with
+#: remote code (``auto_map.AutoConfig`` in config.json: Nemotron-H, Kimi-Linear, MiMo-V2-Flash,
+#: ...) gets its raw config.json alone, as the converter met it under transformers 4.57, which
+#: had no class for such models and fell back to the file (``ModelBase.load_hparams``). A later
+#: native class's to_dict() tells the converter what the checkpoint does not say: transformers 5
+#: gives a dense Nemotron-H ``num_experts_per_tok=2`` and ``n_routed_experts=8`` (the converter
+#: tests for presence and wrote an MoE that llama.cpp cannot load), and nests MiMo-V2-Flash's
+#: ``rope_parameters`` per layer type where its converter reads a flat
+#: ``partial_rotary_factor``. A key the converter then misses is passed from transformers'
+#: config once the converter names it in a KeyError (:func:`run_converter`).
 _CONVERTER_SHIM = r"""
 import json, runpy, sys
 from pathlib import Path
@@ -633,27 +633,36 @@ def _add_missing(have, raw):
 
 _said = set()
 
-def _drop_remote_code_defaults(config, raw):
+def _remote_code_raw(config, raw, dir_model):
     import os
     keep = set(filter(None, os.environ.get("VOODOO_CONVERTER_KEEP_DEFAULTS", "").split(",")))
-    if not (isinstance(raw.get("auto_map"), dict) and "AutoConfig" in raw["auto_map"]) \
-            or "*" in keep:
-        return
-    try:
-        from transformers import CONFIG_MAPPING
-        default = CONFIG_MAPPING[raw["model_type"]]().to_dict()
-    except Exception:
-        return
-    dropped = [k for k in list(config) if k not in raw and k not in keep and k in default
-               and config[k] == default[k]]
-    for k in dropped:
-        del config[k]
-    if dropped and tuple(dropped) not in _said:
-        _said.add(tuple(dropped))
-        print(f"[voodoo] a remote-code checkpoint: the converter reads its config.json, "
-              f"not the {len(dropped)} defaults the installed transformers' {raw['model_type']} "
-              f"class adds ({', '.join(dropped[:6])}{', ...' if len(dropped) > 6 else ''})",
-              flush=True)
+    if "*" in keep:
+        return None
+    new = dict(raw)
+    if "text_config" in config and "text_config" not in new:   # the converter's own renames
+        new["text_config"] = config["text_config"]
+    obj = None
+    for k in sorted(keep):
+        if k in config:
+            new[k] = config[k]
+            continue
+        try:   # a property of transformers' config (Nemotron-H's num_hidden_layers)
+            if obj is None:
+                from transformers import AutoConfig
+                obj = AutoConfig.from_pretrained(dir_model)
+            v = getattr(obj, k)
+            json.dumps(v)
+            new[k] = v
+        except Exception:
+            pass
+    other = sorted(k for k in config if k not in new or new[k] != config[k])
+    if other and tuple(other) not in _said:
+        _said.add(tuple(other))
+        print(f"[voodoo] a remote-code checkpoint: the converter reads its config.json, as "
+              f"under transformers 4.57, not the {len(other)} keys the installed transformers' "
+              f"{raw.get('model_type')} class adds or rewrites ({', '.join(other[:6])}"
+              f"{', ...' if len(other) > 6 else ''})", flush=True)
+    return new
 
 _orig = _base.ModelBase.load_hparams
 
@@ -666,8 +675,11 @@ def load_hparams(dir_model, is_mistral_format, *a, **kw):
         except ValueError:
             raw = None
         if isinstance(raw, dict):
+            remote = isinstance(raw.get("auto_map"), dict) and "AutoConfig" in raw["auto_map"]
+            new = _remote_code_raw(config, raw, dir_model) if remote else None
+            if new is not None:
+                return new
             _add_missing(config, raw)
-            _drop_remote_code_defaults(config, raw)
     return config
 
 _base.ModelBase.load_hparams = staticmethod(load_hparams)
@@ -684,14 +696,14 @@ def converter_command(script: str | os.PathLike, *args: str) -> list[str]:
     return [sys.executable, "-c", _CONVERTER_SHIM, str(script), *map(str, args)]
 
 
-#: The line the shim prints when it withholds a remote-code checkpoint's class defaults.
+#: The line the shim prints when it gives a remote-code checkpoint's raw config.json.
 _SHIM_DROPPED = "a remote-code checkpoint: the converter reads its config.json"
 
 
 def run_converter(cmd: Sequence[str], env: dict, timeout: float | None = None
                   ) -> subprocess.CompletedProcess:
     """Runs a :func:`converter_command` (stdout and stderr together, as text). Where the shim
-    withheld a remote-code checkpoint's class defaults (:data:`_CONVERTER_SHIM`) and the
+    gave a remote-code checkpoint's raw config.json (:data:`_CONVERTER_SHIM`) and the
     converter then stopped on a ``KeyError`` (``'key'``, or ``find_hparam``'s "could not find
     any of: [...]"), it runs again with the defaults of those keys passed
     (``VOODOO_CONVERTER_KEEP_DEFAULTS=key,...``), up to 8 times, then once with all of them
