@@ -654,3 +654,67 @@ def test_map_check_names_a_zeroed_padding_row():
     assert "only row 2" in note and "pad_token_id is 2" in note, note
     got[5] = 1.0   # a row that is not zeros: a real disagreement, no note
     assert _few_rows(got, ref, 1e-5, 1e-6, model) == ""
+
+
+#: published config.json keys of two remote-code checkpoints whose model types transformers
+#: has a class for (Phi-3-mini-4k-instruct, DeepSeek-V2-Lite): sizes come from the tiny model
+_PUBLISHED = {
+    "phi3": {
+        "architectures": ["Phi3ForCausalLM"], "attention_dropout": 0.0,
+        "auto_map": {"AutoConfig": "configuration_phi3.Phi3Config",
+                     "AutoModelForCausalLM": "modeling_phi3.Phi3ForCausalLM"},
+        "bos_token_id": 1, "embd_pdrop": 0.0, "eos_token_id": 2, "hidden_act": "silu",
+        "initializer_range": 0.02, "max_position_embeddings": 4096, "model_type": "phi3",
+        "original_max_position_embeddings": 4096, "pad_token_id": None, "resid_pdrop": 0.0,
+        "rms_norm_eps": 1e-05, "rope_scaling": None, "rope_theta": 10000.0,
+        "sliding_window": 2047, "tie_word_embeddings": False, "torch_dtype": "float32",
+        "transformers_version": "4.40.2", "use_cache": True, "attention_bias": False},
+    "deepseek_v2": {
+        "architectures": ["DeepseekV2ForCausalLM"], "attention_bias": False,
+        "attention_dropout": 0.0,
+        "auto_map": {"AutoConfig": "configuration_deepseek.DeepseekV2Config",
+                     "AutoModelForCausalLM": "modeling_deepseek.DeepseekV2ForCausalLM"},
+        "aux_loss_alpha": 0.001, "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu",
+        "initializer_range": 0.02, "max_position_embeddings": 4096, "model_type": "deepseek_v2",
+        "moe_layer_freq": 1, "norm_topk_prob": False, "pretraining_tp": 1,
+        "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 10000,
+        "routed_scaling_factor": 1.0, "scoring_func": "softmax", "seq_aux": True,
+        "tie_word_embeddings": False, "torch_dtype": "float32",
+        "transformers_version": "4.39.3", "use_cache": True},
+}
+_SIZE_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_hidden_layers",
+              "num_key_value_heads", "vocab_size", "first_k_dense_replace", "kv_lora_rank",
+              "moe_intermediate_size", "n_group", "n_routed_experts", "n_shared_experts",
+              "num_experts_per_tok", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+              "topk_group", "topk_method", "v_head_dim")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", sorted(_PUBLISHED))
+def test_published_remote_code_config_converts_as_it_reads(family, tmp_path):
+    """The converter reads a remote-code checkpoint's raw config.json: with the keys such
+    checkpoints were published with (transformers 4.39/4.40 era, ``auto_map``), a tiny Phi-3
+    and a tiny DeepSeek-V2 convert, and llama.cpp computes what transformers computes."""
+    import sys
+    from pathlib import Path
+
+    from voodoo.agreement import preflight
+    from voodoo.llamacpp import LlamaCppNotBuilt, source_dir, tool_path
+    try:
+        source_dir()
+        tool_path("llama-perplexity")
+    except LlamaCppNotBuilt as e:
+        pytest.skip(str(e))
+    sys.path.insert(0, str(Path(__file__).parent))
+    from zoo import make_tiny, zoo_tokens
+
+    # not "phi3": llama.cpp special-cases a general.name containing it (zoo.make_tiny)
+    d = Path(make_tiny(family, out_dir=str(tmp_path / family.replace("phi3", "phi_3"))))
+    tiny = json.loads((d / "config.json").read_text())
+    cfg = dict(_PUBLISHED[family], **{k: tiny[k] for k in _SIZE_KEYS if k in tiny})
+    (d / "config.json").write_text(json.dumps(cfg, indent=2))
+    p = prepare_model(d, work_dir=tmp_path / "w")
+    model = load_hf_model(p)
+    tokens = zoo_tokens(model.config.vocab_size, n_chunk=2, n_ctx=128, seed=1)
+    res = preflight(model, p.base_gguf, tokens, threads=2)
+    assert res["kld_mean"] < 1e-4 and res["same_top_p"] > 0.99, res
