@@ -409,51 +409,62 @@ def _safetensors_keys(d: Path) -> dict[str, Path]:
     return out
 
 
-def _source_layout(hf_dir: Path, model, saved_dir: Path, real_dir: Path) -> dict[str, str]:
-    """The renames that give a probe checkpoint the tensor names of the model's own checkpoint
-    (``{saved name: source name}``; empty where they are the same, the usual case).
+def _source_layout(hf_dir: Path, params: dict, probe_dirs: list[Path],
+                   offsets: np.ndarray) -> dict[str, str]:
+    """The renames that give the probe checkpoints the tensor names of the model's own
+    checkpoint (``{saved name: source name}``; empty where they are the same, the usual case).
 
     transformers renames checkpoint tensors when it loads (its conversion mapping) and renames
     them back when it saves; where the way back is not the way in (transformers 5.25 saves
-    Kimi-Linear's dense layer-0 MLP as ``block_sparse_moe.*``, DeepSeek-V4's tensors with a
-    ``model.`` prefix its checkpoints lack), llama.cpp's converter, written for the published
-    layout, cannot map the probes' names, though it converts the model's own folder. Each
-    tensor that only the saved layout has is matched to the one tensor of the same shape and
-    values among those only the source has (the model's weights written once to
-    ``real_dir``); if any stays unmatched (a tensor saved merged or split), nothing is renamed
-    and the probes keep transformers' layout, as before."""
+    Kimi-Linear's dense layer-0 MLP as ``block_sparse_moe.*``), llama.cpp's converter, written
+    for the published layout, cannot map the probes' names, though it converts the model's own
+    folder. Each tensor that only the saved layout has is identified from its first element's
+    probe values (the parameter of ``params``, name -> tensor, in probe order, whose global
+    element ids start at ``offsets``) and matched to the one tensor of the same shape and
+    values among those only the source has; if any stays unmatched (a tensor saved merged,
+    split or transposed), nothing is renamed and the probes keep transformers' layout, as
+    before. Reads the headers, each unmatched tensor's first element and the source tensors of
+    its shape."""
     import torch
     from safetensors import safe_open
     src = _safetensors_keys(hf_dir)
-    saved = _safetensors_keys(saved_dir)
-    only_saved = sorted(set(saved) - set(src))
+    saved = [_safetensors_keys(d) for d in probe_dirs]
+    only_saved = sorted(set(saved[0]) - set(src))
     if not src or not only_saved:
         return {}
-    only_src = sorted(set(src) - set(saved))
-    with _quiet_transformers():
-        model.save_pretrained(real_dir, safe_serialization=True)
-    real = _safetensors_keys(real_dir)
-
-    def load(files, k):
-        with safe_open(str(files[k]), "pt") as h:
-            return h.get_tensor(k)
+    only_src = sorted(set(src) - set(saved[0]))
     by_shape: dict[tuple, list[str]] = {}
     for k in only_src:
         with safe_open(str(src[k]), "pt") as h:
             by_shape.setdefault(tuple(h.get_slice(k).get_shape()), []).append(k)
+    names = list(params)
     renames: dict[str, str] = {}
     for k in only_saved:
-        if k not in real:
-            return {}
-        t = load(real, k)
-        hits = [c for c in by_shape.get(tuple(t.shape), []) if c not in renames.values()
-                and torch.equal(t.to(load(src, c).dtype), load(src, c))]
+        firsts = []
+        for files in saved:
+            with safe_open(str(files[k]), "pt") as h:
+                sl = h.get_slice(k)
+                shape = tuple(sl.get_shape())
+                first = sl[tuple(slice(0, 1) for _ in shape)] if shape else h.get_tensor(k)
+                firsts.append(np.asarray([float(first.reshape(-1)[0])]))
+        ids, _ = _decode(firsts)
+        gid = int(ids[0])
+        i = int(np.searchsorted(offsets, gid, side="right")) - 1
+        hits = []
+        if gid >= 0 and gid == offsets[i] and tuple(params[names[i]].shape) == shape:
+            t = params[names[i]].detach().cpu()
+            for c in by_shape.get(shape, []):
+                if c in renames.values():
+                    continue
+                with safe_open(str(src[c]), "pt") as h:
+                    ref = h.get_tensor(c)
+                if torch.equal(t.to(ref.dtype), ref):
+                    hits.append(c)
         if len(hits) != 1:
             _log(f"the probe checkpoints keep transformers' tensor names: {k} (as transformers "
-                f"saves it) matches {len(hits)} tensors of {hf_dir}")
+                 f"saves it) matches {len(hits)} tensors of {hf_dir}")
             return {}
         renames[k] = hits[0]
-    shutil.rmtree(real_dir, ignore_errors=True)
     return renames
 
 
@@ -668,7 +679,7 @@ def derive_tensor_map(model: torch.nn.Module, hf_dir: str | os.PathLike,
                         not f.name.endswith(".index.json"):
                     shutil.copy(f, d / f.name)
             runs.append((d, work / f"out{pi}"))
-        renames = _source_layout(hf_dir, model, runs[0][0], work / "real")
+        renames = _source_layout(hf_dir, dict(params), [d for d, _ in runs], offsets)
         for d, _ in runs:
             _rename_tensors(d, renames)
         if progress:
