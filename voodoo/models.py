@@ -714,13 +714,13 @@ def run_converter(cmd: Sequence[str], env: dict, timeout: float | None = None
                               text=True, errors="replace", timeout=timeout)
     keep: set[str] = set()
     r = run(keep)
-    for _ in range(9):
+    for attempt in range(9):
         if not (r.returncode and _SHIM_DROPPED in r.stdout and "KeyError" in r.stdout):
             break
         named = set(re.findall(r"KeyError: '([^']+)'", r.stdout))
         for group in re.findall(r"could not find any of: \[([^\]]*)\]", r.stdout):
             named.update(re.findall(r"'([^']+)'", group))
-        keep = keep | named if named - keep and len(keep) < 64 and _ < 8 else {"*"}
+        keep = keep | named if named - keep and len(keep) < 64 and attempt < 8 else {"*"}
         r = run(keep)
         if "*" in keep:
             break
