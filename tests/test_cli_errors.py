@@ -1241,3 +1241,28 @@ def test_eval_text_is_read_as_data_name_reads_it(tmp_path):
     with pytest.raises(cli.UsageError, match="UTF-16 text .*iconv -f UTF-16 -t utf-8"):
         cli._check_eval_text_tokens(SimpleNamespace(eval_text=str(u16), ctx=64, chunks=2),
                                     Tok())
+
+
+def test_eval_of_a_run_folder_takes_its_recorded_ctx_and_chunks(tmp_path):
+    """``voodoo eval --gguf`` of a run folder, on the text the run scored its report on, uses
+    the run's --ctx/--chunks (eval/eval-text.json) unless they are given: with the defaults
+    (512 x 8) a run made with --ctx 128 --chunks 4 was refused as too short for its own text."""
+    import json
+    from types import SimpleNamespace
+
+    from voodoo.cli import EVAL_TEXT_RECORD, _recorded_ctx_chunks
+    text = tmp_path / "eval-split.txt"
+    text.write_text("some text\n")
+    (tmp_path / EVAL_TEXT_RECORD).parent.mkdir()
+    (tmp_path / EVAL_TEXT_RECORD).write_text(json.dumps({"path": str(text), "ctx": 128,
+                                                         "chunks": 4}))
+    g = [str(tmp_path / "m.gguf")]
+    a = SimpleNamespace(gguf=g, eval_text=str(text), ctx=512, chunks=8)
+    _recorded_ctx_chunks(a, ["--gguf", g[0]])
+    assert (a.ctx, a.chunks) == (128, 4)
+    a = SimpleNamespace(gguf=g, eval_text=str(text), ctx=256, chunks=8)
+    _recorded_ctx_chunks(a, ["--gguf", g[0], "--ctx", "256"])   # given: kept
+    assert (a.ctx, a.chunks) == (256, 4)
+    a = SimpleNamespace(gguf=g, eval_text=str(tmp_path / "other.txt"), ctx=512, chunks=8)
+    _recorded_ctx_chunks(a, ["--gguf", g[0]])                    # another text: the defaults
+    assert (a.ctx, a.chunks) == (512, 8)

@@ -2434,6 +2434,7 @@ def _eval(argv):
             log(f"no --eval_text: measuring on {rec}, the text `voodoo run` scored "
                 "this run folder's report on (--eval_text FILE for another)")
     if a.gguf:
+        _recorded_ctx_chunks(a, argv)
         _check_eval_split_length(a)
     from .evaluate import format_table, run_perplexity, save_report
     rows = []
@@ -2489,6 +2490,29 @@ def _eval(argv):
 
 #: ``voodoo run`` records here which text its report's llama-perplexity rows scored
 EVAL_TEXT_RECORD = Path("eval") / "eval-text.json"
+
+
+def _recorded_ctx_chunks(a, argv) -> None:
+    """``voodoo eval --gguf`` of a run folder, on the text that run scored its report on:
+    its ``--ctx`` and ``--chunks`` (``eval/eval-text.json``) unless given on the command line,
+    so the numbers are the report's (the defaults, 512 and 8, may not even fit a short text)."""
+    try:
+        rec = json.loads((Path(a.gguf[0]).parent / EVAL_TEXT_RECORD).read_text())
+        same = Path(rec["path"]).resolve() == Path(a.eval_text or _default_eval_text() or
+                                                   "").resolve()
+    except (OSError, ValueError, KeyError, TypeError):
+        return
+    given = {f.split("=")[0] for f in argv if f.startswith("--")}
+    took = []
+    for k in ("ctx", "chunks"):
+        typed = any(f"--{k}".startswith(g) and len(g) > 3 for g in given)   # or abbreviated
+        if same and not typed and isinstance(rec.get(k), int) and \
+                rec[k] != getattr(a, k):
+            setattr(a, k, rec[k])
+            took.append(f"--{k} {rec[k]}")
+    if took:
+        log(f"{' '.join(took)}: as `voodoo run` scored this run folder's report (give them to "
+            "measure otherwise)")
 
 
 def _recorded_eval_text(ggufs) -> Path | None:
