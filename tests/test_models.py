@@ -581,6 +581,9 @@ def test_remote_code_model_needs_trust_remote_code(tmp_path, monkeypatch):
         load_hf_model(d)
     msg = str(e.value)
     assert "--trust_remote_code" in msg and "modeling_vtl.py" in msg, msg
+    with pytest.raises(ModelPreparationError, match="--trust_remote_code"):
+        prepare_model(d, work_dir=tmp_path / "w")   # before any conversion
+    assert not (tmp_path / "w").exists() or not list((tmp_path / "w").rglob("*.gguf"))
     monkeypatch.setenv(TRUST_REMOTE_CODE_ENV, "1")
     m = load_hf_model(d)
     assert type(m).__name__ == "VtlForCausalLM"

@@ -424,6 +424,7 @@ def _prepare_hf_dir(d: Path, work_dir, name: str | None = None,
     if not cfg_path.is_file():
         raise ModelPreparationError(f"{d} has no config.json; it is not an HF model folder")
     cfg = _read_config(cfg_path)
+    _check_remote_code(d, cfg)           # its own code: --trust_remote_code, said before work
     dequantizing_config(d)               # quantized weights transformers cannot dequantize
     info = converter_info(cfg)           # fails early, naming the architecture, if unknown
     _check_causal_lm(d, converter_text_model=info["supported"])
@@ -897,14 +898,28 @@ def hf_from_pretrained(cls, path, **kw):
     except ValueError as e:
         if "trust_remote_code" not in str(e):
             raise
-        d = Path(path)
-        code = sorted(f.name for f in d.glob("*.py")) if d.is_dir() else []
-        raise ModelPreparationError(
-            f"{d} needs its own Python code to load in transformers "
+        raise ModelPreparationError(_remote_code_message(Path(path))) from None
+
+
+def _remote_code_message(d: Path) -> str:
+    code = sorted(f.name for f in d.glob("*.py")) if d.is_dir() else []
+    return (f"{d} needs its own Python code to load in transformers "
             f"({', '.join(code) or 'the auto_map of its config.json'}; transformers "
             f"{_transformers_version()} has no class for it). Read that code, then pass "
             "--trust_remote_code to let transformers run it (llama.cpp's converter reads the "
-            "folder's config.json and weights without it)") from None
+            "folder's config.json and weights without it)")
+
+
+def _check_remote_code(d: Path, cfg: dict) -> None:
+    """Refuses, before any conversion, a folder whose config.json names its own code
+    (``auto_map``) for a model type this transformers has no class for, unless
+    ``--trust_remote_code`` (:func:`trust_remote_code`)."""
+    amap = cfg.get("auto_map")
+    if trust_remote_code() or not (isinstance(amap, dict) and "AutoConfig" in amap):
+        return
+    from transformers import CONFIG_MAPPING
+    if cfg.get("model_type") not in CONFIG_MAPPING:
+        raise ModelPreparationError(_remote_code_message(d))
 
 
 def _transformers_version() -> str:
