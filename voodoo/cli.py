@@ -1414,7 +1414,8 @@ class Run:
                 "--data_name, --n_train_blocks, --seq_len, --seed), or pass --rounding ggml to "
                 "write llama-quantize's bytes of the same types")
         want = getattr(self.a, "hessian_blocks", None)
-        if want and want > len(self.train_blocks):
+        if want and want > len(self.train_blocks) and \
+                not getattr(self.a, "hessian_blocks_recorded", False):
             log(f"--hessian_blocks {want}: the dataset has {len(self.train_blocks)} train "
                 f"blocks; the input Hessians use all {len(self.train_blocks)} (raise "
                 "--n_train_blocks for more)")
@@ -2303,6 +2304,7 @@ def _use_assignment_rounding(a, asg, r=None) -> None:
     a.rounding = made
     if a.hessian_blocks is None and "hessian_blocks" in prov:
         a.hessian_blocks = int(prov["hessian_blocks"])
+        a.hessian_blocks_recorded = True   # not the user's flag: nothing to say about it
     if r is not None and made != "ggml" and prov.get("tokens"):
         r.expect_tokens = (prov["tokens"], a.assignment)  # checked by Run.input_hessians
 
