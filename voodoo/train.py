@@ -558,10 +558,12 @@ def train_gates(student: nn.Module, teacher, train_blocks: torch.Tensor, cfg: Tr
         set_temperature(student, temperature_at(max(step - 1, 0), cfg))
         expected = float(model_expected_bytes(student))
     if progress and step > 0:
+        off = abs(expected / budget - 1) > cfg.size_tolerance
         log(f"gate training: {step} steps; after the last update the soft gates' "
             f"expected size is {expected / budget:.4f} of the budget (the bar's size= is "
             "each step's before its update; the size penalty is zero within "
             f"±{cfg.size_tolerance:g}); bake then picks one type per tensor and lands the "
-            "file within its tolerance of the budget")
+            "file within its tolerance of the budget"
+            + (" (the soft gates' size is only a guide: nothing to fix here)" if off else ""))
     return TrainResult(gate_state(student), step, step >= cfg.max_steps, int(budget), expected,
                        history)
