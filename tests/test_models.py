@@ -276,6 +276,33 @@ def test_prepare_real_gguf(smol_gguf, tmp_path):
 
 
 # ------------------------------------------------- raw config.json keys transformers 5 drops
+def _llama_cpp_or_skip(*tools: str) -> None:
+    """Skips without the pinned llama.cpp's source (and ``tools``); puts tests/ (the zoo) on
+    sys.path."""
+    import sys
+    from pathlib import Path
+
+    from voodoo.llamacpp import LlamaCppNotBuilt, source_dir, tool_path
+    try:
+        source_dir()
+        for t in tools:
+            tool_path(t)
+    except LlamaCppNotBuilt as e:
+        pytest.skip(str(e))
+    sys.path.insert(0, str(Path(__file__).parent))
+
+
+def _assert_llama_cpp_agrees(p) -> None:
+    """llama.cpp on the prepared model's base GGUF computes what transformers computes (the
+    pre-flight: KLD below 1e-4, same top-1 above 99%, 2 chunks of 128 random tokens)."""
+    from voodoo.agreement import preflight
+    from zoo import zoo_tokens
+    model = load_hf_model(p)
+    tokens = zoo_tokens(model.config.vocab_size, n_chunk=2, n_ctx=128, seed=1)
+    res = preflight(model, p.base_gguf, tokens, threads=2)
+    assert res["kld_mean"] < 1e-4 and res["same_top_p"] > 0.99, res
+
+
 @pytest.mark.slow
 def test_converter_sees_raw_config_keys_transformers_drops(tmp_path):
     """llama.cpp's converter reads ``AutoConfig...to_dict()`` (it pins transformers 4.57);
@@ -283,19 +310,10 @@ def test_converter_sees_raw_config_keys_transformers_drops(tmp_path):
     then failed with ``KeyError: 'rotary_pct'`` on every Pythia/GPT-NeoX folder. Voodoo runs
     it with the raw config.json keys added back: a tiny GPT-NeoX (rotary_pct 0.25) converts,
     its GGUF has the right RoPE width, and llama.cpp agrees with transformers on it."""
-    import sys
-    from pathlib import Path
 
-    from voodoo.agreement import preflight
-    from voodoo.llamacpp import LlamaCppNotBuilt, source_dir, tool_path
-    try:
-        source_dir()
-        tool_path("llama-perplexity")
-    except LlamaCppNotBuilt as e:
-        pytest.skip(str(e))
-    sys.path.insert(0, str(Path(__file__).parent))
+    _llama_cpp_or_skip("llama-perplexity")
     from transformers import AutoConfig
-    from zoo import _build, zoo_tokens
+    from zoo import _build
 
     d = _build("GPTNeoXForCausalLM", dict(
         model_type="gpt_neox", hidden_size=128, intermediate_size=512, num_hidden_layers=2,
@@ -307,10 +325,7 @@ def test_converter_sees_raw_config_keys_transformers_drops(tmp_path):
     r = read_gguf(p.base_gguf)
     assert r.fields["general.architecture"].contents() == "gptneox"
     assert r.fields["gptneox.rope.dimension_count"].contents() == 8     # 0.25 * 128 / 4
-    model = load_hf_model(p)
-    tokens = zoo_tokens(model.config.vocab_size, n_chunk=2, n_ctx=128, seed=1)
-    res = preflight(model, p.base_gguf, tokens, threads=2)
-    assert res["kld_mean"] < 1e-4 and res["same_top_p"] > 0.99, res
+    _assert_llama_cpp_agrees(p)
 
 
 #: the keys of a real dense Nemotron-H config.json (NVIDIA-Nemotron-Nano-9B-v2): no MoE keys
@@ -332,20 +347,10 @@ def test_remote_code_checkpoint_gets_no_class_defaults(tmp_path):
     file) that llama.cpp refused to load. Through Voodoo the converter reads the checkpoint's
     own keys: a dense ``nemotron_h`` GGUF with no expert metadata, on which llama.cpp computes
     what transformers computes."""
-    import sys
-    from pathlib import Path
-
-    from voodoo.agreement import preflight
-    from voodoo.llamacpp import LlamaCppNotBuilt, source_dir, tool_path
     from voodoo.models import convert_hf_to_f32_gguf
-    try:
-        source_dir()
-        tool_path("llama-perplexity")
-    except LlamaCppNotBuilt as e:
-        pytest.skip(str(e))
-    sys.path.insert(0, str(Path(__file__).parent))
+    _llama_cpp_or_skip("llama-perplexity")
     from transformers import AutoConfig
-    from zoo import _build, zoo_tokens
+    from zoo import _build
 
     d = _build("NemotronHForCausalLM", dict(
         model_type="nemotron_h", hidden_size=128, intermediate_size=256, num_attention_heads=4,
@@ -365,10 +370,7 @@ def test_remote_code_checkpoint_gets_no_class_defaults(tmp_path):
     assert r.fields["general.architecture"].contents() == "nemotron_h"
     assert not [k for k in r.fields if "expert" in k], [k for k in r.fields if "expert" in k]
     assert r.fields["nemotron_h.feed_forward_length"].contents() == [0, 0, 256]
-    model = load_hf_model(p)
-    tokens = zoo_tokens(model.config.vocab_size, n_chunk=2, n_ctx=128, seed=1)
-    res = preflight(model, p.base_gguf, tokens, threads=2)
-    assert res["kld_mean"] < 1e-4 and res["same_top_p"] > 0.99, res
+    _assert_llama_cpp_agrees(p)
 
     # a config.json that leaves keys the converter needs to transformers' defaults: those
     # (and only those) are passed after the converter names them in a KeyError
@@ -389,15 +391,8 @@ def test_converter_failures_name_the_missing_piece(tiny_model_dir, tmp_path):
     tokenizer files, the error names the key and the file to add it to, or the tokenizer files
     to copy; the converter's own output tail stays in the message."""
     import shutil
-    import sys
-    from pathlib import Path
 
-    from voodoo.llamacpp import LlamaCppNotBuilt, source_dir
-    try:
-        source_dir()
-    except LlamaCppNotBuilt as e:
-        pytest.skip(str(e))
-    sys.path.insert(0, str(Path(__file__).parent))
+    _llama_cpp_or_skip()
     from zoo import _build
 
     d = _build("GPTNeoXForCausalLM", dict(
@@ -605,18 +600,10 @@ def test_probe_checkpoints_keep_the_checkpoints_tensor_names(tmp_path):
     map, though it converts the published layout (``mlp.*``). The tensor map's probe
     checkpoints are written with the model folder's own tensor names, so the map derives and
     agrees with the base GGUF element for element."""
-    import sys
-    from pathlib import Path
-
     from safetensors.torch import load_file, save_file
 
-    from voodoo.llamacpp import LlamaCppNotBuilt, source_dir
     from voodoo.pipeline import load_context
-    try:
-        source_dir()
-    except LlamaCppNotBuilt as e:
-        pytest.skip(str(e))
-    sys.path.insert(0, str(Path(__file__).parent))
+    _llama_cpp_or_skip()
     from zoo import _build
 
     d = _build("KimiLinearForCausalLM", dict(
@@ -698,18 +685,10 @@ def test_published_remote_code_config_converts_as_it_reads(family, tmp_path):
     """The converter reads a remote-code checkpoint's raw config.json: with the keys such
     checkpoints were published with (transformers 4.39/4.40 era, ``auto_map``), a tiny Phi-3
     and a tiny DeepSeek-V2 convert, and llama.cpp computes what transformers computes."""
-    import sys
     from pathlib import Path
 
-    from voodoo.agreement import preflight
-    from voodoo.llamacpp import LlamaCppNotBuilt, source_dir, tool_path
-    try:
-        source_dir()
-        tool_path("llama-perplexity")
-    except LlamaCppNotBuilt as e:
-        pytest.skip(str(e))
-    sys.path.insert(0, str(Path(__file__).parent))
-    from zoo import make_tiny, zoo_tokens
+    _llama_cpp_or_skip("llama-perplexity")
+    from zoo import make_tiny
 
     # not "phi3": llama.cpp special-cases a general.name containing it (zoo.make_tiny)
     d = Path(make_tiny(family, out_dir=str(tmp_path / family.replace("phi3", "phi_3"))))
@@ -717,7 +696,4 @@ def test_published_remote_code_config_converts_as_it_reads(family, tmp_path):
     cfg = dict(_PUBLISHED[family], **{k: tiny[k] for k in _SIZE_KEYS if k in tiny})
     (d / "config.json").write_text(json.dumps(cfg, indent=2))
     p = prepare_model(d, work_dir=tmp_path / "w")
-    model = load_hf_model(p)
-    tokens = zoo_tokens(model.config.vocab_size, n_chunk=2, n_ctx=128, seed=1)
-    res = preflight(model, p.base_gguf, tokens, threads=2)
-    assert res["kld_mean"] < 1e-4 and res["same_top_p"] > 0.99, res
+    _assert_llama_cpp_agrees(p)
