@@ -902,6 +902,7 @@ def hf_from_pretrained(cls, path, **kw):
 
 
 def _remote_code_message(d: Path) -> str:
+    from .agreement import _transformers_version
     code = sorted(f.name for f in d.glob("*.py")) if d.is_dir() else []
     return (f"{d} needs its own Python code to load in transformers "
             f"({', '.join(code) or 'the auto_map of its config.json'}; transformers "
@@ -920,11 +921,6 @@ def _check_remote_code(d: Path, cfg: dict) -> None:
     from transformers import CONFIG_MAPPING
     if cfg.get("model_type") not in CONFIG_MAPPING:
         raise ModelPreparationError(_remote_code_message(d))
-
-
-def _transformers_version() -> str:
-    import transformers
-    return transformers.__version__
 
 
 def load_hf_model(prepared: PreparedModel | str | os.PathLike, dtype=None):
