@@ -152,40 +152,67 @@ def check_address() -> None:
                               f"{way_out}") from None
 
 
-def check_feasible(need: dict, what: str, fix: str) -> None:
+def _fits(nodes: list[dict], need: dict) -> int:
+    """How many requests of ``need`` the nodes ``nodes`` (resource dicts) hold together, each on
+    one node (a worker or trial is never split across nodes)."""
+    import math
+    return sum(min(math.floor(n.get(k, 0) / v + 1e-9) for k, v in need.items()) for n in nodes)
+
+
+def _group_error(need: dict, count: int, fits: int, what: str, fix: str, where: str) -> str:
+    return (f"{count} {what}s need {', '.join(f'{k} {v:g}' for k, v in need.items())} each, "
+            f"and {where} holds {fits} such at once; Ray would wait for the rest forever "
+            f"(Ray Train retries the worker group's start every minute); {fix}")
+
+
+def check_feasible(need: dict, what: str, fix: str, count: int = 1,
+                   count_fix: str | None = None) -> None:
     """Refuses a per-worker (or per-trial) resource request that no alive node of the connected
-    cluster can ever hold: Ray would wait for it forever, printing 'infeasible' warnings.
-    ``need``: e.g. ``{"CPU": 4, "GPU": 1}`` (zero entries ignored); ``what``: e.g. "one Ray
-    Train worker"; ``fix``: the flags to change. ``VOODOO_ALLOW_PENDING=1`` skips the check
-    (an autoscaling cluster that adds such nodes on demand). Raises ValueError."""
+    cluster can ever hold, or a group of ``count`` such requests (a Ray Train worker group,
+    started all at once) that the alive nodes cannot hold together: Ray would wait for it
+    forever, printing 'infeasible' warnings. ``need``: e.g. ``{"CPU": 4, "GPU": 1}`` (zero
+    entries ignored); ``what``: e.g. "one Ray Train worker"; ``fix``: the flags to change;
+    ``count_fix``: those for a group too large (default ``fix``). Nodes' total resources are
+    compared, not what other jobs leave free. ``VOODOO_ALLOW_PENDING=1`` skips the check (an
+    autoscaling cluster that adds such nodes on demand). Raises ValueError."""
     import ray
     need = {k: float(v) for k, v in need.items() if v}
     if not need or os.environ.get("VOODOO_ALLOW_PENDING"):
         return
     nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
-    if not nodes or any(all(n.get(k, 0) >= v for k, v in need.items()) for n in nodes):
+    if not nodes:
         return
-    best = {k: max(n.get(k, 0) for n in nodes) for k in need}
-    raise ValueError(f"{what} needs {', '.join(f'{k} {v:g}' for k, v in need.items())}, and no "
-                     f"node of this Ray cluster has that (the most on one node: "
-                     f"{', '.join(f'{k} {v:g}' for k, v in best.items())}); {fix}, or add "
-                     "such a node (an autoscaling cluster: VOODOO_ALLOW_PENDING=1 waits for it)")
+    if not any(all(n.get(k, 0) >= v for k, v in need.items()) for n in nodes):
+        best = {k: max(n.get(k, 0) for n in nodes) for k in need}
+        raise ValueError(f"{what} needs {', '.join(f'{k} {v:g}' for k, v in need.items())}, "
+                         f"and no node of this Ray cluster has that (the most on one node: "
+                         f"{', '.join(f'{k} {v:g}' for k, v in best.items())}); {fix}, or add "
+                         "such a node (an autoscaling cluster: VOODOO_ALLOW_PENDING=1 waits for "
+                         "it)")
+    fits = _fits(nodes, need)
+    if count > fits:
+        raise ValueError(_group_error(
+            need, count, fits, what.removeprefix("one "), count_fix or fix,
+            f"this Ray cluster ({len(nodes)} node{'s' * (len(nodes) > 1)})")
+            + ", or add nodes (an autoscaling cluster: VOODOO_ALLOW_PENDING=1 waits for them)")
 
 
-def check_feasible_here(need: dict, what: str, fix: str) -> None:
+def check_feasible_here(need: dict, what: str, fix: str, count: int = 1,
+                        count_fix: str | None = None) -> None:
     """:func:`check_feasible` before Ray is up, for the local Ray a run without ``RAY_ADDRESS``
     starts: that Ray's one node has at most this machine's CPUs (``os.cpu_count()``) and the
-    GPUs torch sees, so a larger per-worker (per-trial) request is refused before the data,
-    imatrix and candidates instead of after them. With Ray already up in this process, its
-    cluster's nodes are checked (:func:`check_feasible`); with ``RAY_ADDRESS`` set (Ray not up
-    yet) or ``VOODOO_ALLOW_PENDING=1``, nothing is checked here (the nodes are checked once Ray
-    is up). Raises ValueError in :func:`check_feasible`'s form."""
+    GPUs torch sees, so a larger per-worker (per-trial) request, or ``count`` of them that do
+    not fit together, is refused before the data, imatrix and candidates instead of after them.
+    With Ray already up in this process, its cluster's nodes are checked
+    (:func:`check_feasible`); with ``RAY_ADDRESS`` set (Ray not up yet) or
+    ``VOODOO_ALLOW_PENDING=1``, nothing is checked here (the nodes are checked once Ray is up).
+    Raises ValueError in :func:`check_feasible`'s form."""
     need = {k: float(v) for k, v in need.items() if v}
     if not need or os.environ.get("VOODOO_ALLOW_PENDING"):
         return
     import ray
     if ray.is_initialized():  # this process is on a cluster already: its nodes
-        return check_feasible(need, what, fix)
+        return check_feasible(need, what, fix, count, count_fix)
     if os.environ.get("RAY_ADDRESS", "").strip():
         return
     have = {"CPU": float(os.cpu_count() or 1)}
@@ -202,6 +229,13 @@ def check_feasible_here(need: dict, what: str, fix: str) -> None:
                          f"{', '.join(f'{k} {have[k]:g}' for k in need if k in have)} (this "
                          f"machine's); {fix}, or set RAY_ADDRESS to a cluster that has such a "
                          "node")
+    known = {k: v for k, v in need.items() if k in have}
+    fits = _fits([have], known) if known else count
+    if count > fits:
+        raise ValueError(_group_error(
+            known, count, fits, what.removeprefix("one "), count_fix or fix,
+            f"the local Ray this run starts ({', '.join(f'{k} {have[k]:g}' for k in known)}: "
+            "this machine's)") + ", or set RAY_ADDRESS to a larger cluster")
 
 
 def watch(pid: int, interval: float = 0.2, grace: float = 3.0) -> int:

@@ -968,11 +968,13 @@ def run_training(factory: Callable[[WorkerInfo], StudentJob], cfg: TrainConfig, 
     if num_workers > 0:
         from cluster.session import check_feasible, ensure_ray
         ensure_ray()  # a local Ray started here ends with this process (cluster.session)
-        need = dict(resources_per_worker or {})
+        # ScalingConfig's default per worker: 1 CPU, or 1 GPU with use_gpu
+        need = dict(resources_per_worker or ({} if use_gpu else {"CPU": 1}))
         if use_gpu:
             need.setdefault("GPU", 1)
         check_feasible(need, "one Ray Train worker",
-                       "lower --cpus_per_worker (or leave out --use_gpu)")
+                       "lower --cpus_per_worker (or leave out --use_gpu)", count=num_workers,
+                       count_fix="lower --num_workers (voodoo tp: --nproc) or --cpus_per_worker")
     if shared is not None and num_workers > 0:
         import ray
         shared = ray.put(shared)

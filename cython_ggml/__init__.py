@@ -273,7 +273,8 @@ def quantize(x: np.ndarray, qtype, imatrix: np.ndarray | None = None,
 
 def dequantize(data: np.ndarray, qtype, n_per_row: int,
                n_threads: int | None = None) -> np.ndarray:
-    """Dequantizes rows with libggml's ``to_float`` for ``qtype``.
+    """Dequantizes rows with libggml's ``to_float`` for ``qtype`` (F32, which has none there,
+    is read as it is stored).
 
     Args:
         data: uint8, shape (n_rows, row_size) or flat with a multiple of row_size bytes.
@@ -297,6 +298,8 @@ def dequantize(data: np.ndarray, qtype, n_per_row: int,
                          f"{n_per_row} weights ({rs} bytes each)")
     flat = np.ascontiguousarray(data).reshape(-1, rs)
     n_rows = flat.shape[0]
+    if type_name(t) == "F32":  # libggml's F32 traits have no to_float: the bytes are the floats
+        return flat.view(np.float32).reshape(n_rows, n_per_row).copy()
     out = np.empty((n_rows, n_per_row), dtype=np.float32)
     if n_rows:
         n = _n_threads(n_threads, n_rows)

@@ -1031,6 +1031,51 @@ def test_an_infeasible_worker_request_is_refused(monkeypatch):
     check_feasible({"CPU": 4}, "one Ray Train worker", "lower --cpus_per_worker")
 
 
+def test_a_worker_group_the_cluster_cannot_hold_together_is_refused(monkeypatch):
+    """`--num_workers 3` (or `voodoo tp --nproc 2 -- --cpus_per_worker 2`) on 2 CPUs: each
+    worker fit a node, the group did not, and Ray Train retried the group's start every minute
+    forever (a new user's report). The group is checked against the alive nodes, each worker on
+    one node."""
+    import ray
+
+    from cluster.session import check_feasible
+    nodes = [{"Alive": True, "Resources": {"CPU": 3.0}},
+             {"Alive": True, "Resources": {"CPU": 2.0, "GPU": 1.0}},
+             {"Alive": False, "Resources": {"CPU": 64.0, "GPU": 8.0}}]
+    monkeypatch.setattr(ray, "nodes", lambda: nodes)
+    monkeypatch.delenv("VOODOO_ALLOW_PENDING", raising=False)
+    check_feasible({"CPU": 1}, "one Ray Train worker", "x", count=5)
+    check_feasible({"CPU": 2}, "one Ray Train worker", "x", count=2)   # 1 on each node
+    with pytest.raises(ValueError) as e:  # 3 + 2 CPUs, but 2-CPU workers fit only 1 + 1
+        check_feasible({"CPU": 2}, "one Ray Train worker", "lower --cpus_per_worker", count=3,
+                       count_fix="lower --num_workers")
+    msg = str(e.value)
+    assert "3 Ray Train workers need CPU 2 each" in msg and "holds 2 such at once" in msg, msg
+    assert "lower --num_workers" in msg and "2 nodes" in msg, msg
+    with pytest.raises(ValueError, match="holds 1 such"):  # one alive GPU
+        check_feasible({"GPU": 1}, "one Ray Train worker", "x", count=2)
+    monkeypatch.setenv("VOODOO_ALLOW_PENDING", "1")
+    check_feasible({"CPU": 2}, "one Ray Train worker", "x", count=9)
+
+
+def test_too_many_workers_for_the_local_ray_are_refused_before_any_work(tmp_path, tiny_fixed,
+                                                                         monkeypatch):
+    """Without RAY_ADDRESS the local Ray has this machine's CPUs: one more 1-CPU worker than
+    that is refused before the data stage (it hung after the candidates)."""
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.delenv("VOODOO_ALLOW_PENDING", raising=False)
+    import ray
+    n = (int(sum(nd["Resources"].get("CPU", 0) for nd in ray.nodes() if nd.get("Alive")))
+         if ray.is_initialized() else (os.cpu_count() or 1)) + 1  # Ray up already: its nodes
+    out = tmp_path / "run"
+    rc, _, err = run_cli(["train", "--model", str(tiny_fixed), "--output_dir", str(out),
+                          *[x for x in SMALL if x != "--no_ray"], "--ray", "--num_workers",
+                          str(n)])
+    line = error_line(rc, err, "train")
+    assert f"{n} Ray Train workers need CPU 1 each" in line and "--num_workers" in line, line
+    nothing_written(out)
+
+
 @pytest.mark.parametrize("fn, flag, prefix", [("_ray_run_name", "run_name", "voodoo-train-r"),
                                                ("_sweep_name", "sweep_name", "voodoo-tune-r")])
 def test_ray_names_of_two_folders_of_one_name_differ_on_shared_storage(tmp_path, fn, flag,
@@ -1266,3 +1311,24 @@ def test_eval_of_a_run_folder_takes_its_recorded_ctx_and_chunks(tmp_path):
     a = SimpleNamespace(gguf=g, eval_text=str(tmp_path / "other.txt"), ctx=512, chunks=8)
     _recorded_ctx_chunks(a, ["--gguf", g[0]])                    # another text: the defaults
     assert (a.ctx, a.chunks) == (512, 8)
+
+
+def test_an_f32_menu_trains_and_torch_eval_without_eval_blocks_is_refused(tmp_path,
+                                                                          tiny_fixed):
+    """Two reports of a new user, one run: `--candidate_types F32,Q8_0` went through every stage
+    to the prior's costs and failed there (libggml's F32 traits have no to_float); and `voodoo
+    eval --assignment` of a run made with `--n_eval_blocks 0` died of a ZeroDivisionError. F32
+    candidates are now read as stored, and the torch eval is refused, naming the llama.cpp
+    route."""
+    out = tmp_path / "run"
+    flags = [x for x in SMALL]
+    flags[flags.index("--n_eval_blocks") + 1] = "0"
+    rc, _, err = run_cli(["train", "--model", str(tiny_fixed), "--output_dir", str(out), *flags,
+                          "--candidate_types", "F32,Q8_0", "--compression_ratio", "1.5"])
+    assert rc == 0, err[-3000:]
+    asg = next(out.glob("*.assignment.json"))
+    types = {v["type"] for v in json.loads(asg.read_text())["tensors"].values()}
+    assert "F32" in types, types
+    rc, _, err = run_cli(["eval", "--assignment", str(asg)])
+    line = error_line(rc, err, "eval")
+    assert "no eval blocks" in line and "--n_eval_blocks 0" in line and "--gguf" in line, line

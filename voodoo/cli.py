@@ -804,9 +804,12 @@ def _check_workers_fit_here(a) -> None:
     from cluster.session import check_feasible_here
     gpu = a.use_gpu or str(getattr(a, "device", "")).startswith("cuda")
     try:
-        check_feasible_here({"CPU": a.cpus_per_worker or 0, "GPU": 1 if gpu else 0},
+        check_feasible_here({"CPU": a.cpus_per_worker or (0 if gpu else 1),
+                             "GPU": 1 if gpu else 0},
                             "one Ray Train worker",
-                            "lower --cpus_per_worker (or leave out --use_gpu)")
+                            "lower --cpus_per_worker (or leave out --use_gpu)", count=nw,
+                            count_fix="lower --num_workers (voodoo tp: --nproc) or "
+                                      "--cpus_per_worker")
     except ValueError as e:
         raise UsageError(str(e)) from None
 
@@ -2578,6 +2581,12 @@ def _eval_torch(a) -> dict:
     r = Run(a)
     r.context()
     r.data()
+    if not len(r.eval_blocks):
+        raise UsageError(
+            f"{r.out} holds no eval blocks (its data was made with --n_eval_blocks 0), so "
+            "there is nothing to score in torch; score the GGUF with llama.cpp instead "
+            "(`voodoo eval --gguf <file>` on --eval_text, or the eval split if you remake the "
+            "data with --n_eval_blocks N)")
     _use_assignment_rounding(a, asg, r)
     _use_assignment_imatrix(a, asg, r)
     r.imatrix()

@@ -50,7 +50,8 @@ def torch_ppl_kl(student: torch.nn.Module, teacher: torch.nn.Module | None,
 
     Returns ``{"ppl", "nll" (nats/token), "kl" (mean nats/token or None), "same_top_p"
     (fraction of positions where both argmaxes agree, or None), "teacher_ppl" (or None),
-    "n_tokens" (tokens scored for PPL)}``."""
+    "n_tokens" (tokens scored for PPL)}``. Raises ValueError when ``blocks`` holds no token
+    to score."""
     models = [student] + ([teacher] if teacher is not None else [])
     modes = [m.training for m in models]
     for m in models:
@@ -79,6 +80,9 @@ def torch_ppl_kl(student: torch.nn.Module, teacher: torch.nn.Module | None,
     finally:
         for m, mode in zip(models, modes):
             m.train(mode)
+    if not n_tok:
+        raise ValueError("torch_ppl_kl: no tokens to score (blocks of shape "
+                         f"{tuple(blocks.shape)}: give at least one block of 2+ tokens)")
     nll = nll_s / n_tok
     out = {"ppl": math.exp(nll), "nll": nll, "kl": None, "same_top_p": None,
            "teacher_ppl": None, "n_tokens": n_tok}

@@ -29,7 +29,7 @@ def _imatrix(n_per_row, seed=1):
     return (rng.gamma(1.0, 1.0, n_per_row) ** 2).astype(np.float32)
 
 
-@pytest.mark.parametrize("name", ALL_TYPES)
+@pytest.mark.parametrize("name", ALL_TYPES + ["F32", "F16", "BF16"])  # F32: no to_float in ggml
 def test_dequantize_matches_gguf_py_bit_for_bit(name):
     w = _weights(24, 512)
     data = cg.quantize(w, name, imatrix=_imatrix(512))
