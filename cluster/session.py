@@ -118,7 +118,10 @@ def check_address() -> None:
     nothing answers (one TCP connect, 5 s; ``ray.init`` would retry forever, after every
     expensive stage), ``auto`` with no Ray running on this machine, and an ``http(s)://``
     address (the job server's, for ``ray job submit``, which ``ray.init`` rejects). ``local``
-    (a new local Ray) passes. Raises ConnectionError naming the address and the way out."""
+    (a new local Ray) passes, and so does an address that answers a plain HTTP request with
+    anything but HTTP/1 (a GCS or Ray Client server answers in HTTP/2); one that answers
+    HTTP/1 (the dashboard's port 8265 given without ``http://``, another web server) is
+    refused. Raises ConnectionError naming the address and the way out."""
     import socket
     addr = os.environ.get("RAY_ADDRESS", "").strip()
     if not addr or addr == "local":
@@ -146,10 +149,28 @@ def check_address() -> None:
     if not host or not port.isdigit():
         return
     try:
-        socket.create_connection((host, int(port)), timeout=5).close()
+        conn = socket.create_connection((host, int(port)), timeout=5)
     except OSError as e:
         raise ConnectionError(f"RAY_ADDRESS={addr}: no Ray cluster answers there ({e}); "
                               f"{way_out}") from None
+    # A GCS (and a Ray Client server) speaks gRPC: to a plain HTTP/1 request it answers with
+    # an HTTP/2 SETTINGS frame. A web server (the dashboard and job server on 8265 is the
+    # usual slip) answers "HTTP/1.x ...", and ray.init would wait on it forever.
+    try:
+        conn.settimeout(3)
+        conn.sendall(b"GET / HTTP/1.0\r\nHost: voodoo-probe\r\n\r\n")
+        reply = conn.recv(64)
+    except OSError:
+        reply = b""
+    finally:
+        conn.close()
+    if reply.startswith(b"HTTP/"):
+        status = reply.split(b"\r")[0].decode(errors="replace")
+        raise ConnectionError(
+            f"RAY_ADDRESS={addr} answers HTTP ({status}): a web server such as Ray's dashboard and job server (port 8265 by default), "
+            "not a Ray cluster's GCS, and ray.init would wait on it forever; give the GCS "
+            "address (host:6379, printed by `ray start --head`) or a Ray Client address "
+            "(ray://host:10001), or unset RAY_ADDRESS to run on a local Ray")
 
 
 def _fits(nodes: list[dict], need: dict) -> int:
@@ -197,6 +218,19 @@ def check_feasible(need: dict, what: str, fix: str, count: int = 1,
             + ", or add nodes (an autoscaling cluster: VOODOO_ALLOW_PENDING=1 waits for them)")
 
 
+def running_local_cluster() -> str | None:
+    """The address of a Ray that ``ray start`` began on this machine (Ray's
+    ``/tmp/ray/ray_current_cluster``), which a plain ``ray.init()`` joins instead of starting
+    a local Ray; None when there is none (or ``RAY_ADDRESS`` decides)."""
+    if os.environ.get("RAY_ADDRESS", "").strip():
+        return None
+    try:
+        from ray._private.services import find_bootstrap_address
+        return find_bootstrap_address(None)
+    except Exception:  # noqa: BLE001 - Ray's private helper moved: no pre-check then
+        return None
+
+
 def check_feasible_here(need: dict, what: str, fix: str, count: int = 1,
                         count_fix: str | None = None) -> None:
     """:func:`check_feasible` before Ray is up, for the local Ray a run without ``RAY_ADDRESS``
@@ -204,7 +238,8 @@ def check_feasible_here(need: dict, what: str, fix: str, count: int = 1,
     GPUs torch sees, so a larger per-worker (per-trial) request, or ``count`` of them that do
     not fit together, is refused before the data, imatrix and candidates instead of after them.
     With Ray already up in this process, its cluster's nodes are checked
-    (:func:`check_feasible`); with ``RAY_ADDRESS`` set (Ray not up yet) or
+    (:func:`check_feasible`); with ``RAY_ADDRESS`` set (Ray not up yet), a ``ray start``
+    cluster on this machine (which ``ray.init()`` joins: :func:`running_local_cluster`) or
     ``VOODOO_ALLOW_PENDING=1``, nothing is checked here (the nodes are checked once Ray is up).
     Raises ValueError in :func:`check_feasible`'s form."""
     need = {k: float(v) for k, v in need.items() if v}
@@ -213,7 +248,7 @@ def check_feasible_here(need: dict, what: str, fix: str, count: int = 1,
     import ray
     if ray.is_initialized():  # this process is on a cluster already: its nodes
         return check_feasible(need, what, fix, count, count_fix)
-    if os.environ.get("RAY_ADDRESS", "").strip():
+    if os.environ.get("RAY_ADDRESS", "").strip() or running_local_cluster():
         return
     have = {"CPU": float(os.cpu_count() or 1)}
     if "GPU" in need:

@@ -979,6 +979,42 @@ def test_a_ray_address_where_nothing_answers_is_refused_first(tiny_fixed, tmp_pa
         nothing_written(out)
 
 
+def test_a_ray_address_where_a_web_server_answers_is_refused(tiny_fixed, tmp_path,  # noqa: F811
+                                                             monkeypatch):
+    """RAY_ADDRESS=127.0.0.1:8265 (the dashboard's port without http://) passed the TCP check
+    and ray.init then waited on it forever, after the data and candidate stages (a new user's
+    report). A server answering HTTP/1 is refused before any stage; one answering in HTTP/2 (a
+    GCS's gRPC: a SETTINGS frame) passes the check."""
+    import http.server
+    import socketserver
+    import threading
+
+    from cluster.session import check_address
+    web = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler)
+
+    class Grpc(socketserver.BaseRequestHandler):  # what a GCS sends first: SETTINGS
+        def handle(self):
+            self.request.sendall(bytes.fromhex("000018040000000000"))
+    grpc = socketserver.ThreadingTCPServer(("127.0.0.1", 0), Grpc)
+    for srv in (web, grpc):
+        threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{grpc.server_address[1]}")
+        check_address()
+        addr = f"127.0.0.1:{web.server_address[1]}"
+        monkeypatch.setenv("RAY_ADDRESS", addr)
+        out = tmp_path / "run"
+        rc, _, err = run_cli(["train", "--model", str(tiny_fixed), "--output_dir", str(out),
+                              *[x for x in SMALL if x != "--no_ray"], "--ray"])
+        line = error_line(rc, err, "train")
+        assert f"RAY_ADDRESS={addr} answers HTTP" in line and "host:6379" in line, line
+        nothing_written(out)
+    finally:
+        for srv in (web, grpc):
+            srv.shutdown()
+            srv.server_close()
+
+
 def test_a_worker_request_this_machine_cannot_hold_is_refused_first(tiny_fixed, tmp_path,  # noqa: F811
                                                                     monkeypatch):
     """Without RAY_ADDRESS the run starts a local Ray of this machine's CPUs: `train --ray
@@ -1064,6 +1100,10 @@ def test_too_many_workers_for_the_local_ray_are_refused_before_any_work(tmp_path
     that is refused before the data stage (it hung after the candidates)."""
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     monkeypatch.delenv("VOODOO_ALLOW_PENDING", raising=False)
+    from cluster.session import running_local_cluster
+    if running_local_cluster():
+        pytest.skip("a `ray start` cluster runs on this machine: ray.init() joins it, so its "
+                    "nodes are checked once Ray is up, not before the data")
     import ray
     n = (int(sum(nd["Resources"].get("CPU", 0) for nd in ray.nodes() if nd.get("Alive")))
          if ray.is_initialized() else (os.cpu_count() or 1)) + 1  # Ray up already: its nodes
