@@ -1196,9 +1196,20 @@ def test_data_default_takes_what_a_short_text_holds(tiny_fixed, tmp_path):  # no
     assert rc == 2 and "must be 'auto' or an integer >= 1, got '0'" in err, err[-2000:]
     text = txt.read_text()
     txt.write_text(text + "\n\n" + text)  # the user's text grows: the folder is rebuilt
+    old_train = (out / "data" / "train.pt").read_bytes()
     tr, _, meta = ensure_dataset(ctx, out / "data", str(txt), 64, cli.AUTO_TRAIN_BLOCKS, 16, 0,
                                  up_to=True)
     assert tr.shape[0] > n and meta["n_train_blocks"] == tr.shape[0], meta
+    # what was made from the old blocks stays exportable: the old folder is kept beside it
+    # (a refused retrain with another --data_name had replaced the run's data for good)
+    assert (out / "data.previous" / "train.pt").read_bytes() == old_train
+    new_train = (out / "data" / "train.pt").read_bytes()
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n")
+    with pytest.raises(Exception, match="no documents"):  # a failed rebuild: data/ as it was
+        ensure_dataset(ctx, out / "data", str(empty), 64, cli.AUTO_TRAIN_BLOCKS, 16, 0,
+                       up_to=True)
+    assert (out / "data" / "train.pt").read_bytes() == new_train
 
 
 def test_an_imatrix_of_another_model_is_named(tiny_fixed, tmp_path):  # noqa: F811

@@ -1413,9 +1413,13 @@ class Run:
                 f"{expect[0][:12]}…) than {self.out / 'data'} holds now (sha256 "
                 f"{tokens_sha256(self.train_blocks)[:12]}…): its error-feedback candidates "
                 "would be remade from other input Hessians, not the bytes its gates chose "
-                "between. Restore the data it was trained on (the same `voodoo data` flags: "
-                "--data_name, --n_train_blocks, --seq_len, --seed), or pass --rounding ggml to "
-                "write llama-quantize's bytes of the same types")
+                "between. Restore the data it was trained on ("
+                + (f"{self.out / 'data.previous'} holds the dataset before the last rebuild: "
+                   "move it back to data/; or " if (self.out / "data.previous").is_dir()
+                   else "")
+                + "the same `voodoo data` flags: --data_name, --n_train_blocks, --seq_len, "
+                "--seed), or pass --rounding ggml to write llama-quantize's bytes of the same "
+                "types")
         want = getattr(self.a, "hessian_blocks", None)
         if want and want > len(self.train_blocks) and \
                 not getattr(self.a, "hessian_blocks_recorded", False):
@@ -1567,6 +1571,10 @@ class Run:
                 whose += ("; its calibration tokens are not this run's: the --data_name text "
                           "changed (an edit, or another file), or --seq_len, --n_train_blocks "
                           "or --seed")
+                if (self.out / "data.previous").is_dir():
+                    whose += (f" ({self.out / 'data.previous'} holds the dataset before this "
+                              "rebuild: move it back to data/ and rerun with the old flags to "
+                              "resume that run)")
             resume = ""
             if "rounding" in diff and set(diff) <= {"rounding", "hessian_blocks",
                                                     "rounding_feedback"}:

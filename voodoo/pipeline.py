@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -302,16 +303,20 @@ def ensure_dataset(ctx: Context, data_dir, source="enwiki", seq_len=512, n_train
     it (:func:`voodoo.data.build_dataset`); a folder built from a local text file that has
     changed since (its sha256 in meta.json) is rebuilt. ``up_to``: ``n_train`` is a cap (as
     many train blocks as the text holds, up to it; a folder built that way with the same cap,
-    or one with at least that many, is reused), else a demand. Returns (train, eval, meta)."""
+    or one with at least that many, is reused), else a demand. A dataset that is rebuilt is
+    kept as ``<data_dir>.previous`` (one generation; put back when the rebuild fails), so what
+    was trained on it can still be exported or resumed. Returns (train, eval, meta)."""
     from .data import DatasetError, build_dataset, load_dataset_dir
     data_dir = Path(data_dir)
     want = int(n_train)
+    keep = None
     if (data_dir / "meta.json").is_file():
         try:
             from .data import local_source_description, tokenizer_fingerprint
             tr, ev, meta = load_dataset_dir(data_dir)
             now = local_source_description(source)  # a local file: as it is now
-            edited = now is not None and meta.get("source") != now
+            edited = (now is not None and meta.get("source_arg") == str(source)
+                      and meta.get("source") != now)  # this file, changed since
             same = (meta.get("source_arg") == str(source) and meta.get("seed") == seed and
                     (meta.get("tokenizer") or {}).get("sha256") ==
                     tokenizer_fingerprint(ctx.tokenizer)["sha256"] and not edited)
@@ -324,10 +329,25 @@ def ensure_dataset(ctx: Context, data_dir, source="enwiki", seq_len=512, n_train
                 f"{' as it was before an edit' if edited else ''}; "
                 f"rebuilding for {source!r}, seq_len={seq_len}, "
                 f"{f'up to {want}' if up_to else want} train blocks, seed {seed}")
+            # what was trained or exported on the old blocks stays usable: the old folder is
+            # kept beside the new one (one generation), and put back if the rebuild fails
+            keep = data_dir.with_name(data_dir.name + ".previous")
+            if keep.exists():
+                shutil.rmtree(keep)
+            data_dir.rename(keep)
+            data_dir.mkdir()
+            log(f"the previous dataset is kept in {keep} (move it back to {data_dir} to "
+                "export or resume what was made from it)")
         except DatasetError as e:
             log(f"{data_dir}: {e}; rebuilding")
-    build_dataset(ctx.tokenizer, source, data_dir, seq_len=seq_len, n_train_blocks=want,
-                  n_eval_blocks=n_eval, seed=seed, up_to=up_to)
+    try:
+        build_dataset(ctx.tokenizer, source, data_dir, seq_len=seq_len, n_train_blocks=want,
+                      n_eval_blocks=n_eval, seed=seed, up_to=up_to)
+    except BaseException:
+        if keep is not None and not (data_dir / "meta.json").is_file():
+            shutil.rmtree(data_dir, ignore_errors=True)
+            keep.rename(data_dir)  # the rebuild failed: the folder as it was
+        raise
     tr, ev, meta = load_dataset_dir(data_dir)
     if up_to and tr.shape[0] < want:
         log(f"the text holds {tr.shape[0]} train blocks of {seq_len} "
