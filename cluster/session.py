@@ -168,9 +168,10 @@ def check_address() -> None:
         status = reply.split(b"\r")[0].decode(errors="replace")
         raise ConnectionError(
             f"RAY_ADDRESS={addr} answers HTTP ({status}): a web server such as Ray's "
-            "dashboard and job server (port 8265 by default), not a Ray cluster's GCS, and ray.init would wait on it forever; give the GCS "
-            "address (host:6379, printed by `ray start --head`) or a Ray Client address "
-            "(ray://host:10001), or unset RAY_ADDRESS to run on a local Ray")
+            "dashboard and job server (port 8265 by default), not a Ray cluster's GCS, and "
+            "ray.init would wait on it forever; give the GCS address (host:6379, printed by "
+            "`ray start --head`) or a Ray Client address (ray://host:10001), or unset "
+            "RAY_ADDRESS to run on a local Ray")
 
 
 def _fits(nodes: list[dict], need: dict) -> int:
