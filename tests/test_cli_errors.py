@@ -883,6 +883,18 @@ def test_dashed_flag_names_the_underscore_one(tmp_path):
     assert "--no-such-flag" in line and "underscores" not in line, line
 
 
+def test_a_flag_of_another_command_names_that_command():
+    """``voodoo export --tensor_upgrades ...`` said only "unrecognized arguments" (a new user's
+    report: the guardrails are baked by train/run/tune); the error names the commands that take
+    the flag."""
+    rc, _, err = run_cli(["export", "--assignment", "x.json", "--tensor_upgrades", "[]"])
+    line = error_line(rc, err, "export")
+    assert "--tensor_upgrades is a flag of voodoo run, voodoo train, voodoo tune, not of " \
+           "voodoo export" in line, line
+    rc, _, err = run_cli(["train", "--nproc", "2"])
+    assert "--nproc is a flag of voodoo tp, not of voodoo train" in error_line(rc, err, "train")
+
+
 def test_eval_text_read_only_as_far_as_the_check_needs(tmp_path):
     """``run --eval_text``: a binary file is refused as not text, and a large corpus is read and
     tokenized only as far as the length check needs (a 64 MB file is not read whole)."""

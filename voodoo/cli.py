@@ -41,6 +41,28 @@ class ArgumentParser(argparse.ArgumentParser):
     """argparse's parser, but a bad flag gets one line naming it and where the flags are
     listed, not the whole usage block first (Voodoo's commands have dozens of flags)."""
 
+    #: every parser made in this process (the subcommands'), to name the command a flag is of
+    _made: list = []
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        ArgumentParser._made.append(self)
+
+    def _commands_with(self, flag: str) -> list[str]:
+        """The other commands that take ``flag`` (their parsers are built on demand: each
+        command's ``-h``, its output dropped)."""
+        import contextlib
+        import io
+        built = {p.prog for p in ArgumentParser._made}
+        for name, (fn, _) in COMMANDS.items():
+            if f"voodoo {name}" not in built:
+                with contextlib.redirect_stdout(io.StringIO()), \
+                        contextlib.redirect_stderr(io.StringIO()), \
+                        contextlib.suppress(SystemExit, Exception):
+                    fn(["-h"])
+        return sorted({p.prog for p in ArgumentParser._made if p is not self and p.prog !=
+                       self.prog and any(flag in a.option_strings for a in p._actions)})
+
     def error(self, message):
         import re
         dashed = re.findall(r"--[a-z0-9]+(?:-[a-z0-9]+)+", message)
@@ -59,8 +81,14 @@ class ArgumentParser(argparse.ArgumentParser):
             def close(g):   # a prefix of a flag, or a near spelling
                 return ([k for k in known if k.startswith(g)][:1]
                         or difflib.get_close_matches(g, known, n=1, cutoff=0.75))
-            near = [(g, close(g.split("=", 1)[0])) for g in re.findall(r"--[\w=.-]+", message)]
-            near = [(g.split("=", 1)[0], m[0]) for g, m in near if m]
+            given = [g.split("=", 1)[0] for g in re.findall(r"--[\w=.-]+", message)]
+            elsewhere = {g: self._commands_with(g) for g in given if g not in known}
+            elsewhere = {g: c for g, c in elsewhere.items() if c}
+            if elsewhere:  # a flag of another command (e.g. export --tensor_upgrades)
+                message += "".join(f" ({g} is a flag of {', '.join(c)}, not of {self.prog})"
+                                   for g, c in elsewhere.items())
+            near = [(g, close(g)) for g in given if g not in elsewhere]
+            near = [(g, m[0]) for g, m in near if m]
             near = ([m for _, m in near] if len(near) == 1
                     else [f"{m} for {g}" for g, m in near])
             if near:
