@@ -237,3 +237,25 @@ def test_an_abort_of_llama_cpp_is_named_as_its_limit(tmp_path, monkeypatch):
     msg = str(ei.value)
     assert "aborted running base-f32.gguf" in msg and "llama-graph.cpp:2072" in msg
     assert "scoring_func" in msg and "--skip_preflight" in msg and "\n" not in msg
+
+
+def test_a_key_the_loader_misses_names_the_config_setting(tmp_path, monkeypatch):
+    """exaone_moe without `scoring_func` in config.json: llama.cpp's loader said `key not found
+    in model: exaone-moe.expert_gating_func` and the message gave no hint (a new user's report;
+    the graph abort of dots1 had one). The key and, for a gating function, the setting are
+    named."""
+    import voodoo.agreement as A
+    out = ("llama_model_load: error loading model: error loading model hyperparameters: key "
+           "not found in model: exaone-moe.expert_gating_func\n")
+    e = A._load_failure(tmp_path / "base-f32.gguf", out)
+    assert e is not None and not e.crashed and "exaone-moe.expert_gating_func" in e.reason
+
+    def fail(*a, **k):
+        raise e
+    monkeypatch.setattr(A, "llama_vs_torch", fail)
+    monkeypatch.setattr("voodoo.export.dequantized_copy", lambda p: p)
+    with pytest.raises(A.LlamaCppLoadError) as ei:
+        A.preflight(None, tmp_path / "base-f32.gguf", None)
+    msg = str(ei.value)
+    assert "cannot load base-f32.gguf" in msg and "needs exaone-moe.expert_gating_func" in msg
+    assert "`scoring_func`" in msg and "\n" not in msg, msg

@@ -1276,6 +1276,27 @@ def test_a_hand_edited_assignment_names_the_tensor_and_the_fix():
         _check_assignment_tensors("a.json", asg("Q4_K"), specs)
 
 
+def test_a_hand_edited_assignment_records_the_bytes_its_types_take(monkeypatch):
+    """A tensor's type changed by hand left ``total_bytes`` stale, and the GGUF's
+    ``voodoo.selectable_bytes`` copied it (8,108,032 recorded, 8,103,936 held: a new user's
+    report). With the model's tensor specs the bytes are recomputed from the types."""
+    from types import SimpleNamespace
+
+    import voodoo.cli as cli
+    import voodoo.export as vexport
+    from voodoo.quants import tensor_nbytes
+    monkeypatch.setattr(vexport, "record_model", lambda prepared: "m@sha256:0")
+    specs = [SimpleNamespace(gguf_name="a.weight", n_rows=64, n_per_row=256),
+             SimpleNamespace(gguf_name="b.weight", n_rows=32, n_per_row=512)]
+    held = tensor_nbytes("Q4_K", 64, 256) + tensor_nbytes("Q8_0", 32, 512)
+    asg = {"budget_bytes": 10**6, "total_bytes": held + 4096,   # stale: edited by hand
+           "tensors": {"a.weight": {"type": "Q4_K"}, "b.weight": {"type": "Q8_0"}}}
+    kv = cli._provenance(SimpleNamespace(), asg, prepared=object(), specs=specs)
+    assert kv["voodoo.selectable_bytes"] == held == 64 * 144 + 32 * 16 * 34
+    assert cli._provenance(SimpleNamespace(), asg, prepared=object())[
+        "voodoo.selectable_bytes"] == held + 4096   # without specs: the JSON's own figure
+
+
 def test_a_config_without_architectures_is_named_by_run_and_export(tiny_fixed, tmp_path):  # noqa: F811
     """`voodoo run`/`export` check the model folder before any stage; a config.json without
     "architectures" got the converter's traceback there ("Failed to detect model

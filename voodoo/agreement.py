@@ -440,6 +440,14 @@ def preflight(hf_model: torch.nn.Module, f32_gguf: str | os.PathLike, tokens: to
         what, part = ("aborted running", "graph (e.g. an MoE router's scoring function "
                       "that config.json does not name: `scoring_func`)") if e.crashed \
             else ("cannot load", "loader")
+        import re
+        missing = re.search(r"key not found[^:]*:\s*(\S+)", e.reason or "")
+        if missing and not e.crashed:  # a key the converter writes only when config.json has it
+            key = missing.group(1).strip("'\"")
+            part = (f"loader, which needs {key}: a key llama.cpp's converter writes only when "
+                    "config.json names the setting"
+                    + (", here the MoE router's scoring function (`scoring_func`, e.g. "
+                       "\"sigmoid\" or \"softmax\")" if "gating_func" in key else ""))
         raise LlamaCppLoadError(
             f"llama.cpp {llama_cpp_commit()} {what} {Path(f32_gguf).name}, the F32 GGUF "
             f"its own converter wrote for this model (llama.cpp says: {e.reason}). It is a "

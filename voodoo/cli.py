@@ -663,7 +663,8 @@ def _check_inputs_early(a) -> None:
                           ("target_bits", "5 (bits per weight)")):
         v = getattr(a, flag, None)
         if v is not None and not v > 0:
-            raise UsageError(f"--{flag} {v:g}: must be positive, e.g. --{flag} {example}")
+            raise UsageError(f"--{flag} {v:g}: must be a positive number, e.g. --{flag} "
+                             f"{example}")
     br = getattr(a, "budget_reduction", None)
     if br is not None and not 0 <= br < 1:
         raise UsageError(f"--budget_reduction {br:g}: the safety margin taken off the budget "
@@ -931,19 +932,30 @@ def _recorded_model(a) -> str | None:
     return None
 
 
-def _provenance(a, assignment, prepared=None) -> dict:
+def _provenance(a, assignment, prepared=None, specs=None) -> dict:
     """``voodoo.*`` KV pairs for the exported GGUF: the model it was made from (name and
     content hash, :func:`voodoo.export.model_id`; never a local path; the hash is indexed in
     the local cache so ``eval``/``chat --reference`` find the model again), the budget and
-    size in bytes, the llama.cpp commit."""
+    size in bytes (with ``specs``, the selectable tensors' bytes at the assignment's types,
+    not its ``total_bytes``, which a hand edit leaves stale), the llama.cpp commit."""
     from .export import record_model
     from .llamacpp import llama_cpp_commit
     if prepared is None:
         from .models import prepare_model
         prepared = prepare_model(_model_arg(a))
+    total = int(assignment["total_bytes"])
+    if specs is not None:
+        from . import quants
+        by = {s.gguf_name: s for s in specs}
+        held = sum(quants.tensor_nbytes(v["type"], by[n].n_rows, by[n].n_per_row)
+                   for n, v in assignment["tensors"].items() if n in by)
+        if held != total:
+            log(f"the assignment says total_bytes {total:,}, and its types take {held:,} "
+                "bytes (edited by hand?): the GGUF records the latter")
+            total = held
     return {"voodoo.model": record_model(prepared),
             "voodoo.budget_bytes": int(assignment["budget_bytes"]),
-            "voodoo.selectable_bytes": int(assignment["total_bytes"]),
+            "voodoo.selectable_bytes": total,
             "voodoo.llama_cpp_commit": llama_cpp_commit()}
 
 
@@ -1891,7 +1903,9 @@ class Run:
         budget = target - file_overhead_bytes(self.ctx)
         if budget <= 0:
             raise ValueError(f"--match_size {t}: {target} bytes is smaller than the model's "
-                             "non-selectable tensors and metadata")
+                             f"non-selectable tensors and metadata ({target - budget:,} bytes "
+                             "here); give a file size above that in bytes, or a llama.cpp file "
+                             "type to match (e.g. --match_size Q4_K_M)")
         print(f"--match_size {t}: file {target} bytes -> selectable budget {budget} bytes")
         self._match_budget = budget
         return budget
@@ -1902,7 +1916,7 @@ class Run:
             self.gguf = export(self.ctx, self.assignment, self.keys, self.cache,
                                self.out / f"{self.stem}.gguf",
                                extra_kv=_provenance(self.a, self.assignment,
-                                                    self.ctx.prepared))
+                                                    self.ctx.prepared, self.ctx.specs))
         print(f"wrote {self.gguf} ({self.gguf.stat().st_size / 2**20:.1f} MiB)")
         _print_recipe(self.gguf, self.ctx.prepared.base_gguf,
                       getattr(self, "imatrix_path", None))
@@ -2424,7 +2438,7 @@ def _export(argv):
     stem = (a.output_name.removesuffix(".gguf") if a.output_name else
             Path(a.assignment).name.removesuffix(".assignment.json").removesuffix(".json"))
     p = export(r.ctx, asg, keys, r.cache, r.out / f"{stem}.gguf",
-               extra_kv=_provenance(a, asg, r.ctx.prepared))
+               extra_kv=_provenance(a, asg, r.ctx.prepared, r.ctx.specs))
     print(f"wrote {p}")
     _print_recipe(p, r.ctx.prepared.base_gguf, getattr(r, "imatrix_path", None))
     return 0
