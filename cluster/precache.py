@@ -163,17 +163,27 @@ def n_quantize_workers(max_workers: int | None = None, resources=None) -> int:
                              f"{sorted(k for k in total if not k.startswith('node:'))})")
         n = min(n, int(have // amount))
     env = os.environ.get("VOODOO_QUANT_WORKERS")
-    if env:
-        if not env.strip().isdigit() or int(env) < 1:
-            raise ValueError(f"VOODOO_QUANT_WORKERS={env!r}: give a whole number >= 1 (the "
-                             "most quantization actors), or unset it for one per CPU")
-        n = min(n, int(env))
+    cap = quant_workers_cap()
+    if cap is not None:
+        n = min(n, cap)
     if max_workers is not None:
         n = min(n, int(max_workers))
     if n < 1:
         raise ValueError(f"no CPU to quantize on (cluster resources {total}, "
                          f"VOODOO_QUANT_WORKERS={env}, max_workers={max_workers})")
     return n
+
+
+def quant_workers_cap() -> int | None:
+    """``$VOODOO_QUANT_WORKERS`` (the most quantization actors), None when unset. Raises
+    ValueError for anything but a whole number >= 1 (checked by the CLI before any stage)."""
+    env = os.environ.get("VOODOO_QUANT_WORKERS")
+    if not env:
+        return None
+    if not env.strip().isdigit() or int(env) < 1:
+        raise ValueError(f"VOODOO_QUANT_WORKERS={env!r}: give a whole number >= 1 (the "
+                         "most quantization actors), or unset it for one per CPU")
+    return int(env)
 
 
 @dataclass

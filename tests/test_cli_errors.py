@@ -1416,3 +1416,18 @@ def test_an_f32_menu_trains_and_torch_eval_without_eval_blocks_is_refused(tmp_pa
     rc, _, err = run_cli(["eval", "--assignment", str(asg)])
     line = error_line(rc, err, "eval")
     assert "no eval blocks" in line and "--n_eval_blocks 0" in line and "--gguf" in line, line
+
+
+@pytest.mark.parametrize("value", ["abc", "0"])
+def test_a_bad_quant_workers_cap_is_refused_before_any_stage(tiny_fixed, tmp_path,  # noqa: F811
+                                                             monkeypatch, value):
+    """VOODOO_QUANT_WORKERS=0 was refused only at the candidates, after the data and imatrix
+    stages, and =abc once a local Ray had started (a new user's report)."""
+    monkeypatch.setenv("VOODOO_QUANT_WORKERS", value)
+    out = tmp_path / "run"
+    argv = ["precache", "--model", str(tiny_fixed), "--output_dir", str(out),
+            *SMALL[:SMALL.index("--no_ray")]]
+    line = error_line(*run_cli(argv)[::2], "precache")
+    assert f"VOODOO_QUANT_WORKERS='{value}': give a whole number >= 1" in line, line
+    nothing_written(out)
+    assert run_cli(argv + ["--no_ray", "--rounding", "ggml"])[0] == 0  # not asked: no Ray

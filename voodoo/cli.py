@@ -798,6 +798,12 @@ def _check_ray_address(a) -> None:
     if getattr(a, "ray", False) or (hasattr(a, "no_ray") and not a.no_ray):
         from cluster.session import check_address
         check_address()
+    if hasattr(a, "no_ray") and not a.no_ray:  # candidates on Ray actors
+        from cluster.precache import quant_workers_cap
+        try:
+            quant_workers_cap()
+        except ValueError as e:
+            raise UsageError(str(e)) from None
 
 
 def _check_ray_flags(a) -> None:
@@ -2722,6 +2728,11 @@ def _tune(argv):
     _check_inputs_early(a)
     from cluster.session import check_address
     check_address()  # a RAY_ADDRESS where nothing answers: before data, imatrix, candidates
+    from cluster.precache import quant_workers_cap
+    try:
+        quant_workers_cap()
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     for flag, (lo, hi) in (("size_weight_range", a.size_weight_range),
                            ("size_tolerance_range", a.size_tolerance_range),
                            ("lr_range", a.lr_range or (1, 2))):
