@@ -257,3 +257,15 @@ def test_a_text_the_tokenizer_cannot_read_is_refused(tmp_path):
     with pytest.warns(UserWarning, match="calibrating on what it reads"):
         build_dataset(tok, mixed, tmp_path / "d2", seq_len=16, n_train_blocks=2,
                       n_eval_blocks=1)
+
+
+def test_a_hub_name_with_a_slash_gets_the_hf_prefix_hint(tmp_path):
+    """`--data_name Salesforce/wikitext:wikitext-2-raw-v1` is read as a missing file (a name
+    with a slash is a path); the error now says how to name a hub dataset (a new user's
+    report), and a missing .txt path gets no such hint."""
+    from voodoo.data import DatasetError, check_source
+    with pytest.raises(DatasetError, match=r"--data_name hf:Salesforce/wikitext:wikitext-2-"):
+        check_source("Salesforce/wikitext:wikitext-2-raw-v1")
+    with pytest.raises(DatasetError) as e:
+        check_source(str(tmp_path / "calib.txt"))
+    assert "does not exist" in str(e.value) and "hf:" not in str(e.value)

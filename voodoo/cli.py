@@ -198,7 +198,7 @@ def _data_flags(ap):
     ap.add_argument("--data_dir", default=None, help="dataset folder (default <output_dir>/data)")
     ap.add_argument("--data_name", default="enwiki",
                     help="corpus: 'enwiki' (built-in, offline), a .txt/.jsonl/.parquet file, or a "
-                         "datasets name")
+                         "Hugging Face dataset as hf:NAME[:CONFIG] (needs `datasets`)")
     ap.add_argument("--seq_len", type=_int_at_least(2), default=512, help="tokens per block")
     ap.add_argument("--n_train_blocks", type=_train_blocks, default="auto",
                     help="calibration blocks (imatrix, Fisher, input Hessians, gate training); "

@@ -332,9 +332,13 @@ def check_source(source: str | os.PathLike) -> None:
             raise DatasetError(f"{p}: unsupported file type {p.suffix.lower()!r} "
                                "(expected .txt, .jsonl or .parquet)")
     elif p.suffix.lower() in (".txt", ".jsonl", ".parquet") or os.sep in s:
+        hub = (f"; a Hugging Face dataset is named with hf: (--data_name hf:{s}, which "
+               "needs the `datasets` package and the hub)"
+               if p.suffix.lower() not in (".txt", ".jsonl", ".parquet") and not
+               Path(s).is_absolute() and s.count("/") == 1 and not s.startswith(".") else "")
         raise DatasetError(f"calibration text {p} does not exist (--data_name): give a "
                            ".txt, .jsonl or .parquet file that exists, or leave --data_name "
-                           "out for the default enwiki text")
+                           f"out for the default enwiki text{hub}")
 
 
 def local_source_description(source: str | os.PathLike) -> str | None:
