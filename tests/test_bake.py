@@ -122,6 +122,23 @@ def test_guardrails_hold_under_the_budget_and_give_way_over_it_with_a_warning():
     assert d["total_bytes"] == 800
 
 
+def test_the_under_budget_warning_counts_only_the_guardrails_kept():
+    """`[{"pattern": ".", "levels": 100}]` on a model whose largest tensor cannot take its
+    rule: one warning said the guardrails of every matched tensor "are kept", the next that one
+    could not be (a new user's report). The first counts only those kept."""
+    import warnings
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        a = bake({"big": [0.0, 5.0], "small": [0.0, 5.0]},
+                 {"big": ["A", "B"], "small": ["A", "B"]},
+                 {"big": [1000, 500], "small": [100, 50]}, 700,
+                 tensor_upgrades='[{"pattern": ".", "levels": 9}]')
+    assert {n: t["type"] for n, t in a["tensors"].items()} == {"big": "B", "small": "A"}
+    msgs = [str(x.message) for x in w]
+    assert any("guardrails of 1 tensor(s) are kept" in m for m in msgs), msgs
+    assert any("could not be kept" in m and "for 1 tensor(s): big B" in m for m in msgs), msgs
+
+
 def test_the_last_rule_that_matches_a_tensor_decides():
     """Overlapping --tensor_upgrades rules: the last rule matching a tensor decides, counted from
     its argmax, and leaves one guardrail (up then down on one tensor left both before, a false

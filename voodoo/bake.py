@@ -278,7 +278,9 @@ def bake(gate_logits: Mapping[str, Sequence[float] | torch.Tensor],
                 heapq.heappush(heap, m)
 
     import warnings
-    guarded = [n for n in names if lo[n] > 0 or hi[n] < len(menu[n]) - 1]
+    broken = [n for n in names if not lo[n] <= cur[n] <= hi[n]]
+    guarded = [n for n in names if (lo[n] > 0 or hi[n] < len(menu[n]) - 1)
+               and n not in broken]   # the guardrails actually kept
     if total < lower:
         big = max(names, key=lambda n: max(nb[n]))
         cap = total - sum(nb[n][cur[n]] for n in names) + sum(nb[n][lo[n]] for n in names)
@@ -295,7 +297,6 @@ def bake(gate_logits: Mapping[str, Sequence[float] | torch.Tensor],
         warnings.warn(f"bake: {total} bytes is {100 * (1 - total / budget):.2f}% under the "
                       f"budget of {budget}: no assignment of these menus lands closer without "
                       f"going over ({why})", stacklevel=2)
-    broken = [n for n in names if not lo[n] <= cur[n] <= hi[n]]
     if broken:
         def asks(n):
             return "at least " + menu[n][hi[n]] if cur[n] > hi[n] else "at most " + menu[n][lo[n]]
