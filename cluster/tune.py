@@ -46,6 +46,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+from ray.tune.schedulers import ASHAScheduler, TrialScheduler
 
 from voodoo.bake import DEFAULT_TOLERANCE, bake
 from voodoo.gates import load_gate_state, mixed_weights
@@ -209,6 +210,25 @@ def _trial(config: dict, *, factory, base_cfg: dict, shared, checkpoint_every: i
                  "final": True})
 
 
+class BakingASHA(ASHAScheduler):
+    """ASHA (``ray.tune.schedulers.ASHAScheduler``) that never stops a trial on the report of
+    its last training step (``step >= last_step``, not ``final``): the trial bakes and reports
+    its real objective next, in seconds. Stopped there, all its training was thrown away
+    unbaked whenever that report fell on a rung (a new user's report: a trial stopped at step
+    40 of 40). ``last_step``: the trials' ``max_steps``."""
+
+    def __init__(self, *, last_step: int, **kw):
+        super().__init__(**kw)
+        self.last_step = int(last_step)
+
+    def on_trial_result(self, tune_controller, trial, result):
+        decision = super().on_trial_result(tune_controller, trial, result)
+        if decision == TrialScheduler.STOP and not result.get("final") and \
+                (result.get("step") or 0) >= self.last_step:
+            return TrialScheduler.CONTINUE
+        return decision
+
+
 def run_sweep(factory: Callable[[WorkerInfo], StudentJob], cfg: TrainConfig, *,
               num_samples: int = 8, size_weight: tuple[float, float] = (1.0, 1000.0),
               size_tolerance: tuple[float, float] = (0.001, 0.02),
@@ -245,7 +265,6 @@ def run_sweep(factory: Callable[[WorkerInfo], StudentJob], cfg: TrainConfig, *,
     :class:`SweepInterrupted` when Ctrl-C stopped it before every trial finished."""
     import ray  # noqa: F401
     from ray import tune
-    from ray.tune.schedulers import ASHAScheduler
 
     from cluster.session import check_feasible, ensure_ray
     ensure_ray()
@@ -267,9 +286,10 @@ def run_sweep(factory: Callable[[WorkerInfo], StudentJob], cfg: TrainConfig, *,
         from ray.tune.search.optuna import OptunaSearch
         search_alg = OptunaSearch(seed=seed)
     ckpt_every = checkpoint_every or cfg.partial_save_interval
-    scheduler = ASHAScheduler(time_attr="training_iteration", max_t=cfg.max_steps + 1,
-                              grace_period=grace_period or max(1, cfg.max_steps // 4),
-                              reduction_factor=reduction_factor)
+    scheduler = BakingASHA(last_step=cfg.max_steps, time_attr="training_iteration",
+                           max_t=cfg.max_steps + 1,
+                           grace_period=grace_period or max(1, cfg.max_steps // 4),
+                           reduction_factor=reduction_factor)
     ref = ray.put(shared) if shared is not None else None
     trainable = tune.with_parameters(
         _trial, factory=factory, base_cfg=cfg.to_dict(), shared=ref,
