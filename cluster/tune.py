@@ -5,7 +5,8 @@ Each trial is a Tune function trainable that runs the same loop as Ray Train's w
 every ``report_every`` steps through ``ray.tune.report`` (with a checkpoint every
 ``checkpoint_every`` steps, so a restarted trial resumes) -- the intermediate ``objective`` is
 the training proxy ``kl + penalty`` on the training batch (soft gates) -- and ASHA
-(``ASHAScheduler``) stops weak trials on it. A trial that finishes **bakes** its gates
+(:class:`BakingASHA`, which never stops a trial on its last training step) stops weak trials
+on it. A trial that finishes **bakes** its gates
 (:func:`voodoo.bake.bake`) and reports the real objective once more:
 
     objective = KL(teacher || student with one-hot gates of the baked assignment)
