@@ -228,13 +228,7 @@ def test_an_abort_of_llama_cpp_is_named_as_its_limit(tmp_path, monkeypatch):
     assert e2.crashed and e2.reason.startswith("ggml-backend.cpp:338: GGML_ASSERT(buf != NULL")
     assert A._load_failure(tmp_path / "m.gguf", "ppl = 12.3\nall fine\n") is None
 
-    def crash(*a, **k):
-        raise e
-    monkeypatch.setattr(A, "llama_vs_torch", crash)
-    monkeypatch.setattr("voodoo.export.dequantized_copy", lambda p: p)
-    with pytest.raises(A.LlamaCppLoadError) as ei:
-        A.preflight(None, tmp_path / "base-f32.gguf", None)
-    msg = str(ei.value)
+    msg = _preflight_message(e, tmp_path, monkeypatch)
     assert "aborted running base-f32.gguf" in msg and "llama-graph.cpp:2072" in msg
     assert "scoring_func" in msg and "--skip_preflight" in msg and "\n" not in msg
 
@@ -249,6 +243,15 @@ def test_a_key_the_loader_misses_names_the_config_setting(tmp_path, monkeypatch)
            "not found in model: exaone-moe.expert_gating_func\n")
     e = A._load_failure(tmp_path / "base-f32.gguf", out)
     assert e is not None and not e.crashed and "exaone-moe.expert_gating_func" in e.reason
+    msg = _preflight_message(e, tmp_path, monkeypatch)
+    assert "cannot load base-f32.gguf" in msg and "needs exaone-moe.expert_gating_func" in msg
+    assert "`scoring_func`" in msg and "\n" not in msg, msg
+
+
+def _preflight_message(e, tmp_path, monkeypatch) -> str:
+    """The one-line message :func:`voodoo.agreement.preflight` raises when llama.cpp fails
+    with ``e`` (a LlamaCppLoadError from :func:`voodoo.agreement._load_failure`)."""
+    import voodoo.agreement as A
 
     def fail(*a, **k):
         raise e
@@ -256,6 +259,4 @@ def test_a_key_the_loader_misses_names_the_config_setting(tmp_path, monkeypatch)
     monkeypatch.setattr("voodoo.export.dequantized_copy", lambda p: p)
     with pytest.raises(A.LlamaCppLoadError) as ei:
         A.preflight(None, tmp_path / "base-f32.gguf", None)
-    msg = str(ei.value)
-    assert "cannot load base-f32.gguf" in msg and "needs exaone-moe.expert_gating_func" in msg
-    assert "`scoring_func`" in msg and "\n" not in msg, msg
+    return str(ei.value)
