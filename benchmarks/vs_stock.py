@@ -12,6 +12,7 @@ file's and, on the default model, <= 0.6x PR #15550's figure (``PR15550``). Writ
 ``results.md`` (the table) and ``pareto.png`` (file size vs mean KLD, two curves) to ``--out``.
 
     python benchmarks/vs_stock.py --out benchmarks/results/vs_stock [--chunks 40] [--max_steps 8]
+    python benchmarks/vs_stock.py --model M --eval_text T --work /tmp/vs-M  # -> /tmp/vs-M/results
     python benchmarks/vs_stock.py --model ~/.cache/voodoo/rotated/SmolLM2-135M-Instruct-rot \
         --out benchmarks/results/vs_stock_rotated --work /tmp/voodoo-vs-stock-rot
 
@@ -45,7 +46,9 @@ BAR = {"Q4_K_M": 0.0387, "Q3_K_M": 0.0933, "IQ4_XS": 0.104, "IQ2_M": 0.328, "IQ2
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "vs_stock"))
+    ap.add_argument("--out", default=None,
+                    help="where results.json/.md and pareto.png go (default: <work>/results; "
+                         "the repository's benchmarks/results/ only when named)")
     ap.add_argument("--model", default=None,
                     help="HF folder or .gguf (default: SmolLM2-135M-Instruct Q4_1 from PyPI; "
                          "benchmarks/rotated_model.py makes the rotated one)")
@@ -59,18 +62,52 @@ def main() -> int:
                                                "wikitext-2-raw-test.txt"))
     ap.add_argument("--train_args", default="", help="extra flags for voodoo train")
     a = ap.parse_args()
+    if not Path(a.eval_text).is_file():   # found now, not after every row's training
+        ap.error(f"--eval_text {a.eval_text}: no such file; name the text to score on (e.g. "
+                 "wikitext-2-raw-test.txt; never the calibration text)")
+    try:
+        return run(a)
+    except KeyboardInterrupt:
+        print("vs_stock: interrupted; finished run folders in --work are reused by the same "
+              "command", file=sys.stderr)
+        return 130
+
+
+def run(a) -> int:
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    from voodoo.cli import UsageError, _check_eval_text_tokens
     from voodoo.cli import main as voodoo
+    from voodoo.export import record_model
     from voodoo.evaluate import format_table, run_perplexity
     from voodoo.models import default_model, prepare_model
     from voodoo.runner import gguf_bpw, stock_file
 
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
     work = Path(a.work)
-    work.mkdir(parents=True, exist_ok=True)
+    out = Path(a.out) if a.out else work / "results"
     model = a.model or str(default_model())
     is_default = a.model is None
     prepared = prepare_model(model)
+    try:   # too short for --ctx/--chunks: said before any training, not after
+        _check_eval_text_tokens(SimpleNamespace(eval_text=a.eval_text, ctx=a.ctx,
+                                                chunks=a.chunks),
+                                AutoTokenizer.from_pretrained(prepared.hf_dir))
+    except UsageError as e:
+        print(f"vs_stock: error: {e}", file=sys.stderr)
+        return 2
+    # the work folder's runs, data and shared imatrix belong to one model: another model's
+    # would be reused (its imatrix silently, when the shapes agree)
+    ident = record_model(prepared)
+    owner = work / "model.txt"
+    if owner.is_file() and owner.read_text().strip() != ident:
+        print(f"vs_stock: error: --work {work} holds the runs of {owner.read_text().strip()}, "
+              f"not of {ident}; pass another --work (or delete that folder)", file=sys.stderr)
+        return 2
+    work.mkdir(parents=True, exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
+    owner.write_text(ident + "\n")
     t0 = time.perf_counter()
     stock = [s.strip().upper() for s in a.stock.split(",") if s.strip()]
     files = {}
@@ -113,15 +150,22 @@ def main() -> int:
         if is_default and t in PR15550:
             v["kld_vs_pr15550"] = v["kld"] / PR15550[t]
             v["bar_met"] = bool(v["bar_met"] and v["kld_vs_pr15550"] <= 0.6)
-    (out / "results.json").write_text(json.dumps({"rows": rows, "chunks": a.chunks,
-                                                  "model": Path(model).name,
-                                                  "ctx": a.ctx, "bar": BAR,
-                                                  "seconds": time.perf_counter() - t0},
-                                                 indent=1))
+    (out / "results.json").write_text(json.dumps(
+        {"rows": rows, "chunks": a.chunks, "model": Path(model).name, "model_id": ident,
+         "eval_text": Path(a.eval_text).name, "ctx": a.ctx, "max_steps": a.max_steps,
+         "train_args": a.train_args, **({"bar": BAR} if is_default else {}),
+         "seconds": time.perf_counter() - t0}, indent=1))
     table = format_table(rows, ["file", "bytes", "bpw", "ppl", "kld", "kld_p99_9",
                                 "same_top_p", "size_vs_stock", "kld_vs_stock",
-                                *(["kld_vs_pr15550"] if is_default else []), "bar_met"])
-    (out / "results.md").write_text(table + "\n")
+                                *(["kld_vs_pr15550"] if is_default else []), "size_ok",
+                                "bar_met"])
+    caption = (f"{Path(model).name}: llama-perplexity -c {a.ctx} --chunks {a.chunks} "
+               f"--kl-divergence on {Path(a.eval_text).name} against the model's reference "
+               f"GGUF; Voodoo: voodoo train --match_size TYPE --max_steps {a.max_steps}"
+               f"{' ' + a.train_args if a.train_args else ''}; size_ok: at or under the stock "
+               "file and at most 0.5% smaller; bar_met: size_ok and KLD <= 0.5x stock"
+               f"{' and <= 0.6x PR #15550' if is_default else ''}")
+    (out / "results.md").write_text(caption + "\n\n" + table + "\n")
     print(table)
     import matplotlib
     matplotlib.use("Agg")

@@ -187,3 +187,37 @@ def test_eval_without_shared_text_measures_on_the_eval_split(tiny_voodoo_gguf, t
     row = next(l for l in cap.out.splitlines() if l.startswith(f"| {tiny_voodoo_gguf.name}"))
     kld = float(row.split("|")[4])
     assert 0 <= kld < 1.0       # Q8_0 of a tiny random model against its F32 reference
+
+
+def test_a_killed_driver_leaves_no_llama_server(tiny_voodoo_gguf, tmp_path):
+    """`kill -9` of `voodoo serve` left llama-server running, holding its port (a new user's
+    report; SIGINT/SIGTERM stopped it). The server now gets SIGTERM when its parent dies."""
+    _need("llama-server")
+    import signal
+
+    from voodoo.chat import LlamaServer, port_in_use
+    pidfile = tmp_path / "server.pid"
+    code = ("import sys, time\nfrom voodoo.chat import LlamaServer\n"
+            f"srv = LlamaServer({str(tiny_voodoo_gguf)!r}, ctx=256).start()\n"
+            f"open({str(pidfile)!r}, 'w').write(f'{{srv.proc.pid}} {{srv.port}}')\n"
+            "time.sleep(600)\n")
+    driver = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        deadline = time.monotonic() + 180
+        while not pidfile.is_file() or not pidfile.read_text().strip():
+            assert driver.poll() is None and time.monotonic() < deadline, "server never up"
+            time.sleep(0.5)
+        pid, port = map(int, pidfile.read_text().split())
+        assert port_in_use("127.0.0.1", port)
+        driver.send_signal(signal.SIGKILL)
+        driver.wait(30)
+        deadline = time.monotonic() + 60
+        while Path(f"/proc/{pid}").exists() and \
+                "zombie" not in Path(f"/proc/{pid}/status").read_text(errors="replace"):
+            assert time.monotonic() < deadline, "llama-server outlived its killed parent"
+            time.sleep(0.5)
+        assert not port_in_use("127.0.0.1", port)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+    assert LlamaServer(tiny_voodoo_gguf, host="::1", port=8080).url == "http://[::1]:8080"

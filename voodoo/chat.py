@@ -172,6 +172,17 @@ def port_in_use(host: str, port: int) -> bool:
     return False
 
 
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM when the process that started it dies, even by
+    SIGKILL (Linux ``prctl(PR_SET_PDEATHSIG)``), so a killed ``voodoo serve`` leaves no
+    llama-server holding its port. A no-op elsewhere."""
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 class LlamaServer:
     """``llama-server -m GGUF --host HOST --port PORT`` as a context manager.
 
@@ -200,8 +211,10 @@ class LlamaServer:
 
     @property
     def url(self) -> str:
-        """``http://HOST:PORT``."""
-        return f"http://{self.host}:{self.port}"
+        """``http://HOST:PORT`` (an IPv6 host in brackets: ``http://[::1]:PORT``)."""
+        host = f"[{self.host}]" if ":" in self.host and not self.host.startswith("[") \
+            else self.host
+        return f"http://{host}:{self.port}"
 
     def command(self) -> list[str]:
         """The llama-server command line."""
@@ -224,7 +237,8 @@ class LlamaServer:
             self.log = Path(name)
         self._logf = open(self.log, "w")
         self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=self._logf,
-                                     stderr=subprocess.STDOUT, env=tool_env())
+                                     stderr=subprocess.STDOUT, env=tool_env(),
+                                     preexec_fn=_die_with_parent)
         deadline = time.monotonic() + timeout
         while True:
             if self.proc.poll() is not None:
