@@ -221,3 +221,18 @@ def test_a_killed_driver_leaves_no_llama_server(tiny_voodoo_gguf, tmp_path):
         if driver.poll() is None:
             driver.kill()
     assert LlamaServer(tiny_voodoo_gguf, host="::1", port=8080).url == "http://[::1]:8080"
+
+
+def test_chat_reference_of_another_model_warns(tiny_voodoo_gguf, tiny_prepared, capsys):
+    """`voodoo chat --reference --model <other model>` answered beside the wrong reference
+    without a word (a new user's report; `voodoo eval` warns). The GGUF's recorded model is
+    compared with --model's reference, as eval does."""
+    from voodoo import cli
+    a = SimpleNamespace(model=str(tiny_voodoo_gguf), gguf=str(tiny_voodoo_gguf))
+    assert cli._reference_of(a) == tiny_voodoo_gguf      # another GGUF as the reference
+    err = capsys.readouterr().err
+    assert f"warning: {tiny_voodoo_gguf.name} was made from" in err, err
+    assert "shown beside it as the reference" in err, err
+    a = SimpleNamespace(model=str(tiny_prepared.reference_gguf), gguf=str(tiny_voodoo_gguf))
+    cli._reference_of(a)                                  # its own reference: no warning
+    assert "warning" not in capsys.readouterr().err

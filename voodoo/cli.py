@@ -583,9 +583,10 @@ def _check_eval_models(a) -> None:
                          "measured against one model's reference)")
 
 
-def _warn_other_model(a, prepared) -> None:
+def _warn_other_model(a, prepared, use: str = "that it is scored against; its KLD is not "
+                                              "about its own model") -> None:
     """One line for each --gguf that records a model other than the one it is scored against
-    (names or reference hashes differ): its KLD is then not about its own model."""
+    (or, ``use``, chats beside): its KLD is then not about its own model."""
     from .evaluate import _sha256_file
     from .export import gguf_model_id, parse_model_id
     ref_sha = None
@@ -599,8 +600,7 @@ def _warn_other_model(a, prepared) -> None:
         ref_sha = ref_sha or _sha256_file(Path(prepared.reference_gguf))
         if sha != ref_sha:
             log(f"warning: {Path(g).name} was made from {name} (reference sha256 "
-                f"{sha[:12]}…), not from {prepared.name} ({ref_sha[:12]}…) that it is "
-                "scored against; its KLD is not about its own model")
+                f"{sha[:12]}…), not from {prepared.name} ({ref_sha[:12]}…) {use}")
 
 
 def _check_inputs_early(a) -> None:
@@ -2855,11 +2855,17 @@ def _reference_of(a) -> Path:
     """The reference GGUF for ``voodoo chat --reference``: --model's, else the one recorded
     in the GGUF. Raises UsageError naming the way out."""
     if a.model:
+        from types import SimpleNamespace
         m = Path(os.path.expanduser(a.model))
         if m.is_file() and m.suffix.lower() == ".gguf":
-            return m
-        from .models import prepare_model
-        return Path(prepare_model(a.model).reference_gguf)
+            prepared = SimpleNamespace(reference_gguf=m, name=m.name)
+        else:
+            from .models import prepare_model
+            prepared = prepare_model(a.model)
+        # as `voodoo eval` does: a GGUF of another model is answered beside the wrong reference
+        _warn_other_model(SimpleNamespace(gguf=[a.gguf]), prepared,
+                          "whose answer is shown beside it as the reference")
+        return Path(prepared.reference_gguf)
     from .export import find_reference, gguf_model_id, parse_model_id
     recorded = gguf_model_id(a.gguf)
     if recorded is None:
