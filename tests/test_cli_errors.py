@@ -1431,3 +1431,11 @@ def test_a_bad_quant_workers_cap_is_refused_before_any_stage(tiny_fixed, tmp_pat
     assert f"VOODOO_QUANT_WORKERS='{value}': give a whole number >= 1" in line, line
     nothing_written(out)
     assert run_cli(argv + ["--no_ray", "--rounding", "ggml"])[0] == 0  # not asked: no Ray
+
+
+def test_eval_rows_of_two_files_of_one_name_are_told_apart():
+    """`voodoo eval --gguf runs/a/m.gguf runs/b/m.gguf` labelled both rows `m.gguf` (a new
+    user's report); the folder is added where names repeat."""
+    from voodoo.cli import _row_label
+    ggufs = ["runs/a/m.gguf", "runs/b/m.gguf", "runs/b/stock.gguf"]
+    assert [_row_label(g, ggufs) for g in ggufs] == ["a/m.gguf", "b/m.gguf", "stock.gguf"]

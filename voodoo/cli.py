@@ -583,6 +583,15 @@ def _check_eval_models(a) -> None:
                          "measured against one model's reference)")
 
 
+def _row_label(g, ggufs) -> str:
+    """The table's name for the GGUF ``g`` among ``ggufs``: its file name, with its folder when
+    another of them has the same name (runs/a/m.gguf and runs/b/m.gguf: a/m.gguf, b/m.gguf)."""
+    name = Path(g).name
+    if [Path(x).name for x in ggufs].count(name) > 1:
+        return f"{Path(g).parent.name}/{name}"
+    return name
+
+
 def _warn_other_model(a, prepared, use: str = "that it is scored against; its KLD is not "
                                               "about its own model") -> None:
     """One line for each --gguf that records a model other than the one it is scored against
@@ -2537,7 +2546,7 @@ def _eval(argv):
         for g in a.gguf:
             res = run_perplexity(g, text, ctx=a.ctx, chunks=a.chunks,
                                  kl_base=prepared.reference_gguf)
-            res["file"] = Path(g).name
+            res["file"] = _row_label(g, a.gguf)
             res["size_mib"] = Path(g).stat().st_size / 2**20
             rows.append(res)
     cols = ["file", "size_mib", "ppl", "kld", "kld_p99_9", "same_top_p"]
