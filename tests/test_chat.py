@@ -236,3 +236,15 @@ def test_chat_reference_of_another_model_warns(tiny_voodoo_gguf, tiny_prepared, 
     a = SimpleNamespace(model=str(tiny_prepared.reference_gguf), gguf=str(tiny_voodoo_gguf))
     cli._reference_of(a)                                  # its own reference: no warning
     assert "warning" not in capsys.readouterr().err
+
+
+def test_a_voodoo_gguf_as_model_is_noted(tiny_voodoo_gguf, tiny_prepared, capsys):
+    """`voodoo doctor --model <a Voodoo output>` said "all good" and took it as a new model
+    named `voodoo` without a word (a new user's report). Allowed, with a note naming the model
+    it was made from; a plain model GGUF gets none."""
+    from voodoo.cli import _check_model_early
+    _check_model_early(str(tiny_voodoo_gguf))
+    err = capsys.readouterr().err
+    assert f"--model {tiny_voodoo_gguf.name} is a file Voodoo wrote (from " in err, err
+    _check_model_early(str(tiny_prepared.reference_gguf))
+    assert "Voodoo wrote" not in capsys.readouterr().err

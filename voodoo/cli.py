@@ -1093,6 +1093,13 @@ def _check_model_early(model_arg: str) -> None:
         return  # a hub id: prepare_model looks in the local HF cache
     if p.is_file() and p.suffix.lower() == ".gguf":
         _check_model_gguf(p, "--model", hint="the model's .gguf or HF folder")
+        from .export import gguf_model_id, parse_model_id
+        made = gguf_model_id(p)
+        if made is not None:  # allowed (re-quantizing a file), but rarely what is meant
+            log(f"note: --model {p.name} is a file Voodoo wrote (from "
+                f"{parse_model_id(made)[0]}); it is taken as a new source model, its "
+                "quantized weights as they are; to work on the model it was made from, pass "
+                "that model")
         return
     if not (p.is_dir() and (p / "config.json").is_file()):
         return  # prepare_model reports other files and non-model folders itself
