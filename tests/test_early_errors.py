@@ -113,6 +113,7 @@ def test_output_dir_that_is_a_file(tiny_fixed, tmp_path):  # noqa: F811
                                              "leave --imatrix out"]),
     (["--compression_ratio", "-0.5"], ["--compression_ratio -0.5: must be positive"]),
     (["--target_bits", "0"], ["--target_bits 0: must be positive"]),
+    (["--compression_ratio", "nan"], ["--compression_ratio nan: must be positive (a number"]),
     (["--target_bits", "20"], ["--target_bits 20: more bits per weight", "give at most 16"]),
     (["--budget_reduction", "1.5"], ["--budget_reduction 1.5:", "[0, 1)"]),
     (["--compression_ratio", "1.7"], ["a budget above the Q8_0 size", "at most 1.0"]),

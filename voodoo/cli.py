@@ -672,8 +672,8 @@ def _check_inputs_early(a) -> None:
                           ("target_bits", "5 (bits per weight)")):
         v = getattr(a, flag, None)
         if v is not None and not v > 0:
-            raise UsageError(f"--{flag} {v:g}: must be a positive number, e.g. --{flag} "
-                             f"{example}")
+            raise UsageError(f"--{flag} {v:g}: must be positive (a number above 0), e.g. "
+                             f"--{flag} {example}")
     br = getattr(a, "budget_reduction", None)
     if br is not None and not 0 <= br < 1:
         raise UsageError(f"--budget_reduction {br:g}: the safety margin taken off the budget "
