@@ -808,11 +808,17 @@ def _check_ray_address(a) -> None:
         from cluster.session import check_address
         check_address()
     if hasattr(a, "no_ray") and not a.no_ray:  # candidates on Ray actors
-        from cluster.precache import quant_workers_cap
-        try:
-            quant_workers_cap()
-        except ValueError as e:
-            raise UsageError(str(e)) from None
+        _check_quant_workers()
+
+
+def _check_quant_workers() -> None:
+    """``$VOODOO_QUANT_WORKERS`` that is not a whole number >= 1, refused before any stage
+    (:func:`cluster.precache.quant_workers_cap`). Raises UsageError."""
+    from cluster.precache import quant_workers_cap
+    try:
+        quant_workers_cap()
+    except ValueError as e:
+        raise UsageError(str(e)) from None
 
 
 def _check_ray_flags(a) -> None:
@@ -2744,11 +2750,7 @@ def _tune(argv):
     _check_inputs_early(a)
     from cluster.session import check_address
     check_address()  # a RAY_ADDRESS where nothing answers: before data, imatrix, candidates
-    from cluster.precache import quant_workers_cap
-    try:
-        quant_workers_cap()
-    except ValueError as e:
-        raise UsageError(str(e)) from None
+    _check_quant_workers()
     for flag, (lo, hi) in (("size_weight_range", a.size_weight_range),
                            ("size_tolerance_range", a.size_tolerance_range),
                            ("lr_range", a.lr_range or (1, 2))):
