@@ -1222,6 +1222,24 @@ def test_data_default_takes_what_a_short_text_holds(tiny_fixed, tmp_path):  # no
         ensure_dataset(ctx, out / "data", str(empty), 64, cli.AUTO_TRAIN_BLOCKS, 16, 0,
                        up_to=True)
     assert (out / "data" / "train.pt").read_bytes() == new_train
+    # `voodoo data` keeps one generation too: the same blocks again move nothing (the older
+    # data.previous survives), other blocks push the current ones to data.previous
+    data = ["data", "--model", str(tiny_fixed), "--output_dir", str(out), "--seq_len", "64"]
+    rc, _, err = run_cli([*data, "--data_name", str(txt)])
+    assert rc == 0, err[-2000:]
+    assert (out / "data.previous" / "train.pt").read_bytes() == old_train
+    assert (out / "data" / "train.pt").read_bytes() == new_train
+    other = tmp_path / "other.txt"
+    other.write_text(text)
+    rc, _, err = run_cli([*data, "--data_name", str(other)])
+    assert rc == 0, err[-2000:]
+    assert (out / "data.previous" / "train.pt").read_bytes() == new_train
+    assert json.loads((out / "data" / "meta.json").read_text())["source_arg"] == str(other)
+    rc, _, err = run_cli([*data, "--data_name", str(empty)])  # refused: nothing moves
+    assert rc != 0 and "no documents" in err, err[-2000:]
+    assert (out / "data.previous" / "train.pt").read_bytes() == new_train
+    assert json.loads((out / "data" / "meta.json").read_text())["source_arg"] == str(other)
+    assert not (out / "data.new").exists()
 
 
 def test_an_imatrix_of_another_model_is_named(tiny_fixed, tmp_path):  # noqa: F811

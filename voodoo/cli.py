@@ -2019,6 +2019,7 @@ def _data(argv):
 
     from .data import build_dataset
     from .models import hf_from_pretrained, prepare_model
+    from .pipeline import rebuild_keeping_previous
     prepared = prepare_model(_model_arg(a))
     tok = hf_from_pretrained(AutoTokenizer, prepared.hf_dir)
     from transformers import AutoConfig
@@ -2034,8 +2035,13 @@ def _data(argv):
         out.parent.mkdir(parents=True, exist_ok=True)
         _lock_run_folder(out.parent, "data")
     n_train, up_to = _train_blocks_asked(a)
-    meta = build_dataset(tok, a.data_name, out, a.seq_len, n_train, a.n_eval_blocks, a.seed,
-                         up_to=up_to)
+
+    def build(folder):
+        return build_dataset(tok, a.data_name, folder, a.seq_len, n_train, a.n_eval_blocks,
+                             a.seed, up_to=up_to)
+    # a dataset already there is kept as data.previous (what was trained on it stays usable)
+    meta = (rebuild_keeping_previous(out, build) if (out / "meta.json").is_file()
+            else build(out))
     print(json.dumps({k: meta[k] for k in meta if k in ("n_train_blocks", "n_train_blocks_asked",
                                                         "n_eval_blocks", "seq_len", "source")},
                      default=str))
@@ -2361,8 +2367,12 @@ def _data_of_run(a) -> dict:
     taken = {}
     for flag, key in _DATA_KEYS.items():
         if getattr(a, flag, 0) is None and meta.get(key) is not None:
-            setattr(a, flag, meta[key])
-            taken[flag] = meta[key]
+            v = meta[key]
+            if flag == "n_train_blocks" and meta.get("n_train_blocks_asked") == \
+                    f"up to {AUTO_TRAIN_BLOCKS}":
+                v = "auto"  # what was asked, not what one text held: another text may hold more
+            setattr(a, flag, v)
+            taken[flag] = v
     return taken
 
 

@@ -297,6 +297,45 @@ def file_overhead_bytes(ctx: Context) -> int:
 
 
 # ------------------------------------------------------------------------------- data
+def rebuild_keeping_previous(data_dir, build):
+    """Rebuilds the dataset in ``data_dir`` keeping the one there as ``<data_dir>.previous``
+    (one generation), so what was trained or exported on the old blocks stays usable.
+    ``build(folder)`` writes a dataset into ``folder``: here ``<data_dir>.new``, swapped in
+    once complete. When the rebuilt ``train.pt``/``eval.pt`` have the sha256 of those in
+    ``data_dir`` (its ``meta.json``), nothing moves and an older ``.previous`` stays. When
+    ``build`` raises (Ctrl-C included), ``data_dir`` is as it was. Returns what ``build``
+    returns."""
+    data_dir = Path(data_dir)
+    keep = data_dir.with_name(data_dir.name + ".previous")
+    new = data_dir.with_name(data_dir.name + ".new")
+    shutil.rmtree(new, ignore_errors=True)  # a rebuild killed before its swap
+
+    def files(d):
+        try:
+            return json.loads((d / "meta.json").read_text()).get("files")
+        except (OSError, ValueError):
+            return None
+    try:
+        out = build(new)
+    except BaseException:
+        shutil.rmtree(new, ignore_errors=True)
+        raise
+    old_files = files(data_dir)
+    if old_files and old_files == files(new):
+        # the same blocks again: the folder stays, its meta (sizes asked) from this build
+        os.replace(new / "meta.json", data_dir / "meta.json")
+        shutil.rmtree(new, ignore_errors=True)
+        return out
+    if data_dir.exists():
+        if keep.exists():
+            shutil.rmtree(keep)
+        data_dir.rename(keep)
+        log(f"the previous dataset is kept in {keep} (move it back to {data_dir} to "
+            "export or resume what was made from it)")
+    new.rename(data_dir)
+    return out
+
+
 def ensure_dataset(ctx: Context, data_dir, source="enwiki", seq_len=512, n_train=64,
                    n_eval=8, seed=0, up_to=False):
     """Loads ``data_dir`` if it holds a dataset with ``seq_len`` and enough blocks, else builds
@@ -309,7 +348,7 @@ def ensure_dataset(ctx: Context, data_dir, source="enwiki", seq_len=512, n_train
     from .data import DatasetError, build_dataset, load_dataset_dir
     data_dir = Path(data_dir)
     want = int(n_train)
-    keep = None
+    keep = False
     if (data_dir / "meta.json").is_file():
         try:
             from .data import local_source_description, tokenizer_fingerprint
@@ -329,25 +368,17 @@ def ensure_dataset(ctx: Context, data_dir, source="enwiki", seq_len=512, n_train
                 f"{' as it was before an edit' if edited else ''}; "
                 f"rebuilding for {source!r}, seq_len={seq_len}, "
                 f"{f'up to {want}' if up_to else want} train blocks, seed {seed}")
-            # what was trained or exported on the old blocks stays usable: the old folder is
-            # kept beside the new one (one generation), and put back if the rebuild fails
-            keep = data_dir.with_name(data_dir.name + ".previous")
-            if keep.exists():
-                shutil.rmtree(keep)
-            data_dir.rename(keep)
-            data_dir.mkdir()
-            log(f"the previous dataset is kept in {keep} (move it back to {data_dir} to "
-                "export or resume what was made from it)")
+            keep = True
         except DatasetError as e:
             log(f"{data_dir}: {e}; rebuilding")
-    try:
-        build_dataset(ctx.tokenizer, source, data_dir, seq_len=seq_len, n_train_blocks=want,
+
+    def build(folder):
+        build_dataset(ctx.tokenizer, source, folder, seq_len=seq_len, n_train_blocks=want,
                       n_eval_blocks=n_eval, seed=seed, up_to=up_to)
-    except BaseException:
-        if keep is not None and not (data_dir / "meta.json").is_file():
-            shutil.rmtree(data_dir, ignore_errors=True)
-            keep.rename(data_dir)  # the rebuild failed: the folder as it was
-        raise
+    if keep:
+        rebuild_keeping_previous(data_dir, build)
+    else:
+        build(data_dir)
     tr, ev, meta = load_dataset_dir(data_dir)
     if up_to and tr.shape[0] < want:
         log(f"the text holds {tr.shape[0]} train blocks of {seq_len} "
