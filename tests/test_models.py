@@ -697,3 +697,30 @@ def test_published_remote_code_config_converts_as_it_reads(family, tmp_path):
     (d / "config.json").write_text(json.dumps(cfg, indent=2))
     p = prepare_model(d, work_dir=tmp_path / "w")
     _assert_llama_cpp_agrees(p)
+
+
+def test_a_killed_conversions_partial_file_and_folder_are_removed(tiny_model_dir, tmp_path):
+    """SIGKILL during the converter left ``.base-f32.gguf.<random>.partial`` in the shared
+    model cache for good (a 7B model's is 28 GB): the temporary files now carry the writer's
+    pid, and the next conversion removes those of a process that is gone (a live one's stays)."""
+    import subprocess
+    import sys
+
+    from voodoo.llamacpp import LlamaCppNotBuilt, source_dir
+    from voodoo.models import convert_hf_to_f32_gguf
+    try:
+        source_dir()
+    except LlamaCppNotBuilt as e:
+        pytest.skip(str(e))
+    p = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                       capture_output=True, text=True, check=True)
+    out = tmp_path / "base-f32.gguf"
+    dead = tmp_path / f".base-f32.gguf.{int(p.stdout)}.k2j4.partial"  # that process has exited
+    dead.write_bytes(b"x" * 100)
+    dead_dir = tmp_path / f".base-f32.gguf.{int(p.stdout)}.q9z.partial"
+    (dead_dir / "sub").mkdir(parents=True)
+    live = tmp_path / f".base-f32.gguf.{os.getpid()}.x1.partial"
+    live.write_bytes(b"y")
+    convert_hf_to_f32_gguf(tiny_model_dir, out)
+    assert sorted(f.name for f in tmp_path.iterdir()) == sorted([out.name, live.name])
+    assert len(read_gguf(out).tensors) > 0

@@ -109,6 +109,13 @@ def test_stock_file_requantized_for_another_imatrix(tiny_prepared, tmp_path):
                       tmp_path / "s").stat().st_mtime_ns == t0  # same inputs: reused
     f = stock_file(tiny_prepared.base_gguf, "Q4_K_M", tmp_path / "im1.gguf", tmp_path / "s")
     assert f.stat().st_mtime_ns != t0 and sha256_file(f) != b0
+    # a damaged file of the same inputs (a full disk, a bad copy) was reused forever and every
+    # rerun died in llama-perplexity: quantized again
+    b1 = sha256_file(f)
+    with open(f, "r+b") as fh:
+        fh.truncate(f.stat().st_size // 2)
+    f = stock_file(tiny_prepared.base_gguf, "Q4_K_M", tmp_path / "im1.gguf", tmp_path / "s")
+    assert sha256_file(f) == b1
 
 
 def test_a_journal_of_other_candidate_bytes_names_them_and_the_way_to_resume(

@@ -25,6 +25,7 @@ from typing import Any, Callable, Iterable, Mapping
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter, LlamaFileType
 
+from .fsutil import remove_dead_partials
 from .ggufio import read_gguf
 from .progress import log
 from .quants import fallback_type, nearest_ftype, qtype
@@ -138,27 +139,6 @@ def dominant_file_type(weights: Mapping[str, int]) -> int:
 
 
 # ------------------------------------------------------------------------------ export
-def _remove_dead_partials(out_path: Path) -> None:
-    """Removes ``.<name>.<pid>.*.partial`` files left beside ``out_path`` by an export or a
-    :func:`quantize_with_llama` whose process is gone (killed with SIGKILL, or the machine went
-    down); a live process's file is left alone."""
-    for f in out_path.parent.glob(f".{out_path.name}.*.partial"):
-        pid = f.name[len(out_path.name) + 2:].split(".", 1)[0]
-        if not pid.isdigit():
-            continue
-        try:
-            os.kill(int(pid), 0)
-            continue  # alive (or not ours to signal): still writing
-        except ProcessLookupError:
-            pass
-        except PermissionError:
-            continue
-        with contextlib.suppress(OSError):
-            f.unlink()
-            logging.getLogger("voodoo.export").info("removed %s, left by an interrupted export",
-                                                    f.name)
-
-
 def export_gguf(base_gguf: str | os.PathLike, assignment,
                 cache_lookup: Callable[[str, str], np.ndarray],
                 out_path: str | os.PathLike, *, file_type: int | None = None,
@@ -226,7 +206,7 @@ def export_gguf(base_gguf: str | os.PathLike, assignment,
                 weights_per_type[name] = weights_per_type.get(name, 0) + n_rows * n_per_row
 
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    _remove_dead_partials(out_path)
+    remove_dead_partials(out_path)
     fd, tmp = tempfile.mkstemp(prefix=f".{out_path.name}.{os.getpid()}.", suffix=".partial",
                                dir=out_path.parent)
     os.close(fd)
@@ -535,7 +515,7 @@ def quantize_with_llama(base_gguf: str | os.PathLike, out: str | os.PathLike,
     exe = tool_path("llama-quantize")
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    _remove_dead_partials(out)  # a SIGKILLed run's unfinished file
+    remove_dead_partials(out)  # a SIGKILLed run's unfinished file
     tmp = out.with_name(f".{out.name}.{os.getpid()}.llama-quantize.partial")
     cmd = [str(exe)]
     if imatrix_file is not None:

@@ -4,14 +4,17 @@ one, never a partial one)."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import logging
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
 __all__ = ["sha256_file", "written_record", "changed_since_written", "atomic_write_bytes",
            "atomic_write_text", "file_mode", "file_in_the_way", "is_disk_full",
-           "no_space_message"]
+           "no_space_message", "partial_prefix", "remove_dead_partials"]
 
 
 def _umask_mode() -> int:
@@ -59,6 +62,37 @@ def changed_since_written(path: str | os.PathLike, size: int, digest: str,
     if h != digest:
         return f"its sha256 {h[:12]}… differs from {digest[:12]}…, recorded when it was written"
     return None
+
+
+def partial_prefix(out: str | os.PathLike) -> str:
+    """``.<name>.<pid>.``: the prefix of a temporary file or folder (suffix ``.partial``) that
+    this process writes beside ``out`` and renames onto it when complete, so that
+    :func:`remove_dead_partials` can tell a killed writer's leftovers from a live one's."""
+    return f".{Path(out).name}.{os.getpid()}."
+
+
+def remove_dead_partials(out: str | os.PathLike) -> None:
+    """Removes ``.<name>.<pid>.*.partial`` files and folders beside ``out`` (see
+    :func:`partial_prefix`) whose process is gone (killed with SIGKILL, or the machine went
+    down: a converted 7B model's would be 28 GB); a live process's is left alone."""
+    out = Path(out)
+    for f in out.parent.glob(f".{out.name}.*.partial"):
+        pid = f.name[len(out.name) + 2:].split(".", 1)[0]
+        if not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+            continue  # alive (or not ours to signal): still writing
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue
+        with contextlib.suppress(OSError):
+            if f.is_dir() and not f.is_symlink():
+                shutil.rmtree(f)
+            else:
+                f.unlink()
+            logging.getLogger("voodoo").info("removed %s, left by an interrupted run", f.name)
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:

@@ -288,7 +288,10 @@ def _gguf_to_hf(path: Path, hf_dir: Path, arch: str) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     _log(f"loading {path.name} with transformers (dequantizes; about 35 s for 135M)")
-    tmp = Path(tempfile.mkdtemp(prefix="hf.partial-", dir=hf_dir.parent))
+    from .fsutil import partial_prefix, remove_dead_partials
+    remove_dead_partials(hf_dir)  # a killed run's dequantized copy (28 GB for a 7B model)
+    tmp = Path(tempfile.mkdtemp(prefix=partial_prefix(hf_dir), suffix=".partial",
+                                dir=hf_dir.parent))
     try:
         try:
             model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
@@ -332,7 +335,9 @@ def gguf_to_f32(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
     reader = read_gguf(src)
     arch = reader.fields["general.architecture"].contents()
     dst.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{dst.name}.", suffix=".partial", dir=dst.parent)
+    from .fsutil import partial_prefix, remove_dead_partials
+    remove_dead_partials(dst)  # a killed run's unfinished file
+    fd, tmp = tempfile.mkstemp(prefix=partial_prefix(dst), suffix=".partial", dir=dst.parent)
     os.close(fd)
     w = GGUFWriter(tmp, arch)
     try:
@@ -747,7 +752,9 @@ def convert_hf_to_f32_gguf(hf_dir: str | os.PathLike, out: str | os.PathLike,
     src = source_dir()
     hf_dir, out = Path(hf_dir), Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent)
+    from .fsutil import partial_prefix, remove_dead_partials
+    remove_dead_partials(out)  # a killed converter's unfinished file
+    fd, tmp = tempfile.mkstemp(prefix=partial_prefix(out), suffix=".partial", dir=out.parent)
     os.close(fd)
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(src / "gguf-py")] + (

@@ -35,6 +35,13 @@ def stock_file(base_gguf, ftype: str, imatrix_file, out_dir) -> Path:
     if diff:
         log(f"{out} was not made for this run ({describe(out_dir, out.name, inputs, diff)}); "
             f"quantizing it again")
+    elif diff == []:  # the same inputs: reused only if the file is whole (a copy, a full disk)
+        from .ggufio import read_gguf
+        try:
+            read_gguf(out)
+        except (ValueError, OSError) as e:
+            log(f"{out} is damaged ({e}); quantizing it again")
+            diff = ["damaged"]
     if diff is None or diff:
         log(f"llama-quantize {ftype}")
         quantize_with_llama(base_gguf, out, imatrix_file=imatrix_file, default_type=ftype)
