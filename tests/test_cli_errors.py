@@ -1457,3 +1457,17 @@ def test_eval_rows_of_two_files_of_one_name_are_told_apart():
     from voodoo.cli import _row_label
     ggufs = ["runs/a/m.gguf", "runs/b/m.gguf", "runs/b/stock.gguf"]
     assert [_row_label(g, ggufs) for g in ggufs] == ["a/m.gguf", "b/m.gguf", "stock.gguf"]
+
+
+def test_a_compressed_eval_text_is_named_as_compressed(tmp_path):
+    """A gzip file as --eval_text was refused as 'not a text file (it holds NUL bytes)'; it
+    is named as compressed, with the command that decompresses it."""
+    import gzip
+    from types import SimpleNamespace
+
+    from voodoo.cli import UsageError, _check_eval_text_tokens
+    f = tmp_path / "wiki.test.raw.gz"
+    f.write_bytes(gzip.compress(b"some text\n" * 1000))
+    with pytest.raises(UsageError, match=r"wiki.test.raw.gz is a gzip-compressed file, not "
+                                         r"text; decompress it first \(`gunzip -k "):
+        _check_eval_text_tokens(SimpleNamespace(eval_text=str(f), ctx=512, chunks=8), None)

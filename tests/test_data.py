@@ -116,6 +116,11 @@ def test_errors(smol_tokenizer, jsonl_source, tmp_path):
                          n_train_blocks=10_000, n_eval_blocks=1)
     with pytest.raises(vd.DatasetError, match="does not exist"):
         vd.read_documents(tmp_path / "nope.jsonl")
+    with pytest.raises(vd.DatasetError, match="did you mean 'enwiki'"):  # a typo, not the hub
+        vd.read_documents("enwik")
+    with pytest.raises(vd.DatasetError, match="does not exist") as e:  # a file, not a dataset
+        vd.check_source("texts/code.py")
+    assert "hf:" not in str(e.value)
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"txt": "x"}\n')
     with pytest.raises(vd.DatasetError, match="text"):
@@ -129,6 +134,33 @@ def test_errors(smol_tokenizer, jsonl_source, tmp_path):
     u16.write_text("café\n", encoding="utf-16")
     with pytest.raises(vd.DatasetError, match="u16.txt is UTF-16 text.*iconv -f UTF-16 -t"):
         vd.read_documents(u16)
+    # a UTF-8 text with a few broken bytes: converting it from latin1 would mangle the rest
+    mostly = tmp_path / "mostly.txt"
+    mostly.write_bytes(("caf\u00e9 \u2192 " * 400).encode() + b"\xff\xfe" + b"ok\n" * 100)
+    with pytest.raises(vd.DatasetError, match=r"UTF-8 text but for 2 byte.*iconv -f utf-8 -t "
+                                              r"utf-8 -c mostly.txt"):
+        vd.read_documents(mostly)
+    binary = tmp_path / "binary.txt"   # UTF-8 by chance, NUL bytes throughout
+    binary.write_bytes(b"ab\0\0cd\0" * 200)
+    with pytest.raises(vd.DatasetError, match="binary.txt is not a text file .*NUL bytes"):
+        vd.read_documents(binary)
+    stray = tmp_path / "stray.txt"
+    stray.write_bytes(b"a long text " * 200 + b"\0")
+    with pytest.warns(UserWarning, match="stray.txt holds 1 NUL byte"):
+        vd.read_documents(stray)
+    # compressed files, whatever their names say: decompress them
+    import bz2
+    import gzip
+    packed = tmp_path / "packed.txt"
+    packed.write_bytes(gzip.compress(b"some text\n" * 100))
+    with pytest.raises(vd.DatasetError, match=r"packed.txt is a gzip-compressed file, not text; "
+                                              r"decompress it first \(`gunzip -k packed.txt`\)"):
+        vd.read_documents(packed)
+    gz = tmp_path / "corpus.txt.bz2"
+    gz.write_bytes(bz2.compress(b"some text\n" * 100))
+    with pytest.raises(vd.DatasetError, match=r"unsupported file type '.bz2'.*bzip2-compressed: "
+                                              r"decompress it first \(`bunzip2 -k corpus.txt.bz2`"):
+        vd.read_documents(gz)
     with pytest.raises(vd.DatasetError, match="no meta.json"):
         vd.load_dataset_dir(tmp_path / "empty")
     vd.build_dataset(smol_tokenizer, jsonl_source, tmp_path / "ok", seq_len=16, n_train_blocks=2,

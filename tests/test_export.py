@@ -319,3 +319,16 @@ def test_an_unwritable_model_index_costs_only_the_lookup(tiny_prepared, tmp_path
     assert mid == ex.model_id(tiny_prepared.name, "ab" * 32)
     err = capsys.readouterr().err
     assert "cannot record which model sha256 abababababab" in err and "--model" in err
+
+
+def test_a_folder_where_the_gguf_goes_is_named(tmp_path):
+    """A folder at the output GGUF's path: the log said '... exists; it is replaced', then the
+    export died with '[Errno 21] Is a directory' at the rename; it is refused first, naming
+    the way out."""
+    from voodoo.export import ExportError
+    from voodoo.pipeline import export
+    d = tmp_path / "m.Voodoo55.gguf"
+    d.mkdir()
+    with pytest.raises(ExportError, match=r"m.Voodoo55.gguf is a folder, where the GGUF would "
+                                          r"be written.*--output_name"):
+        export(None, {"tensors": {}}, {}, None, d)

@@ -33,8 +33,12 @@ def test_errors_are_gguf_pys(tmp_path):
         read_gguf(tmp_path / "missing.gguf")
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"NOPE" + bytes(64))
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"not a GGUF file \(it starts with b'NOPE'"):
         read_gguf(bad)
+    tiny = tmp_path / "tiny.gguf"   # numpy's "When changing to a larger dtype ..." before
+    tiny.write_bytes(b"abc")
+    with pytest.raises(ValueError, match="3 bytes, too short for a GGUF file"):
+        read_gguf(tiny)
 
 
 @pytest.mark.parametrize("keep", [0.001, 0.5, 0.999])

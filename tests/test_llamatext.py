@@ -104,3 +104,22 @@ def test_chat_names_the_characters_that_abort_llama_completion(spm_model):
         pytest.skip(str(e))
     with pytest.raises(ChatError, match="cannot read '\u2603'"):
         generate(spm_model.base_gguf, "Snow \u2603 falls", n_predict=4, timeout=300)
+
+
+def test_run_refuses_an_unreadable_eval_text_for_that_reason_not_as_too_short(spm_model,
+                                                                             tmp_path):
+    """``run``/``eval --eval_text`` counted the text's tokens first: a text the vocabulary
+    cannot read folds into a few HF tokens and was refused as too short ("give a longer
+    text"); the reason is the script, and that is what is said now."""
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    from voodoo.cli import _check_eval_text_tokens
+    from voodoo.llamatext import UnreadableTextError
+    bad = tmp_path / "symbols.txt"
+    bad.write_text("\u00a3\u00a9\u00b0\n" * 3000)
+    tok = AutoTokenizer.from_pretrained(spm_model.hf_dir)
+    a = SimpleNamespace(eval_text=str(bad), ctx=512, chunks=8)
+    with pytest.raises(UnreadableTextError, match="cannot read 9000 of its 9000"):
+        _check_eval_text_tokens(a, tok, spm_model.base_gguf)

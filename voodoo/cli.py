@@ -747,14 +747,21 @@ def _check_eval_split_length(a) -> None:
         f"raise --n_eval_blocks to {-(-need // seq) + 1}, or lower --ctx")
 
 
-def _check_eval_text_tokens(a, tokenizer) -> None:
+def _check_eval_text_tokens(a, tokenizer, gguf=None) -> None:
     """``run --eval_text FILE``: a text too short for llama-perplexity's ``--ctx``/``--chunks``
     (:func:`_perplexity_tokens_needed`) is refused before training, counted with the model's
-    tokenizer. Raises UsageError."""
+    tokenizer; a compressed file is refused naming the command that decompresses it. With
+    ``gguf`` (the model's), a text whose characters its vocabulary mostly cannot read is
+    refused first, for that reason (:func:`voodoo.llamatext.readable_text`), not as too short.
+    Raises UsageError (UnreadableTextError)."""
     need = _perplexity_tokens_needed(a.ctx, a.chunks)
     # only as much text as the check needs (a token is rarely more than 32 bytes): a corpus of
     # gigabytes is not read, nor tokenized, whole
-    from .data import DatasetError, _not_utf8, read_documents
+    from .data import DatasetError, _not_utf8, compressed_format, read_documents
+    packed = compressed_format(a.eval_text)
+    if packed:
+        raise UsageError(f"--eval_text {a.eval_text} is a {packed[0]}-compressed file, not "
+                         f"text; decompress it first (`{packed[1]} {Path(a.eval_text).name}`)")
     if Path(a.eval_text).suffix.lower() in (".jsonl", ".parquet"):   # scored on its texts
         try:
             text = "\n\n".join(read_documents(a.eval_text)[0])
@@ -774,6 +781,9 @@ def _check_eval_text_tokens(a, tokenizer) -> None:
         except UnicodeDecodeError as e:
             raise UsageError(f"--eval_text: {_not_utf8(Path(a.eval_text), e)}") from None
         text = raw.decode("utf-8", errors="replace")
+    if gguf is not None:
+        from .llamatext import readable_text
+        readable_text(gguf, a.eval_text)
     n = len(tokenizer(text).input_ids) if text.strip() else 0
     if n < need:
         raise UsageError(f"--eval_text {a.eval_text}: {n} tokens, but llama-perplexity -c "
@@ -1064,8 +1074,11 @@ def _out_dir(a, ctx=None) -> Path:
     _check_not_in_ray_job_copy(Path(a.output_dir) if a.output_dir else Path("runs"))
     if a.output_dir:
         d = Path(a.output_dir)
-        if d.exists() and not d.is_dir():
-            raise UsageError(f"--output_dir {d} is a file, not a folder: give a folder path")
+        from .fsutil import file_in_the_way
+        bad = file_in_the_way(d)   # the folder itself, or a parent of it
+        if bad is not None:
+            raise UsageError(f"--output_dir {d}{'' if bad == d else f': {bad}'} is a file, not "
+                             "a folder: give a folder path")
     else:
         name = ctx.prepared.name if ctx is not None else "model"
         d = Path("runs") / name
@@ -1891,6 +1904,9 @@ class Run:
                 self.assignment["rounding_feedback"] = {
                     k: sorted(v) for k, v in sorted(self.feedback.items())}
             target = self.out / f"{self.stem}.assignment.json"
+            if target.is_dir():
+                raise UsageError(f"{target} is a folder, where the assignment would be written: "
+                                 "move it away, or name the run otherwise (--output_name NAME)")
             if target.exists():
                 log(f"{target.name} exists; it is replaced (--output_name NAME keeps both)")
             write_json(target, self.assignment)
@@ -2010,10 +2026,13 @@ def _data(argv):
     _model_flags(ap)
     _data_flags(ap)
     a = _parse_keeping_run_data(ap, argv)  # a run folder's corpus is kept unless named
+    from .fsutil import file_in_the_way
     for flag in ("output_dir", "data_dir"):   # a file in the way fails now, not after loading
         d = getattr(a, flag)
-        if d and Path(d).exists() and not Path(d).is_dir():
-            raise UsageError(f"--{flag} {d} is a file, not a folder: give a folder path")
+        bad = file_in_the_way(d) if d else None   # the folder itself, or a parent of it
+        if bad is not None:
+            raise UsageError(f"--{flag} {d}{'' if bad == Path(d) else f': {bad}'} is a file, "
+                             "not a folder: give a folder path")
     _check_inputs_early(a)
     from transformers import AutoTokenizer
 
@@ -2127,10 +2146,10 @@ def _train(argv, run_all=False):
     r = Run(a)
     r.context()
     _default_rounding(a, r.ctx.specs)
-    if run_all and a.eval_text:
-        _check_eval_text_tokens(a, r.ctx.tokenizer)
     eval_text = (a.eval_text or _default_eval_text()) if run_all else None
-    if eval_text:  # a text the vocabulary cannot read (mostly): refused now, not after training
+    if run_all and a.eval_text:
+        _check_eval_text_tokens(a, r.ctx.tokenizer, r.ctx.prepared.base_gguf)
+    elif eval_text:  # a text the vocabulary cannot read (mostly): refused now, not after training
         from .llamatext import readable_text
         readable_text(r.ctx.prepared.base_gguf, eval_text)
     _check_upgrade_patterns(rules, [s.gguf_name for s in r.ctx.specs])
@@ -2560,7 +2579,8 @@ def _eval(argv):
                 config = None
             _check_seq_len(SimpleNamespace(seq_len=None, ctx=a.ctx), config)
             _check_eval_text_tokens(SimpleNamespace(eval_text=text, ctx=a.ctx, chunks=a.chunks),
-                                    hf_from_pretrained(AutoTokenizer, prepared.hf_dir))
+                                    hf_from_pretrained(AutoTokenizer, prepared.hf_dir),
+                                    prepared.reference_gguf)
         from .llamatext import text_note
         header = (f"llama-perplexity -c {a.ctx} --chunks {a.chunks} on {text}"
                   f"{text_note(prepared.reference_gguf, text)}; KLD against "

@@ -33,6 +33,7 @@ wikitext-2's *test* split is for evaluation only: never calibrate on it.
 from __future__ import annotations
 
 import bz2
+import difflib
 import hashlib
 import html
 import io
@@ -244,16 +245,49 @@ def strip_wiki_markup(text: str) -> str:
 
 
 # ------------------------------------------------------------------------------------ sources
-def _not_utf8(path: Path, e: UnicodeDecodeError) -> DatasetError:
-    """The error for a file that does not decode as UTF-8, with the ``iconv`` line to convert
-    it: from UTF-16/32 when it starts with their byte-order mark, else from Latin-1 (a guess)."""
+#: magic bytes of compressed files -> (format, the command that decompresses ``FILE``)
+_COMPRESSED = ((b"\x1f\x8b", "gzip", "gunzip -k"), (b"BZh", "bzip2", "bunzip2 -k"),
+               (b"\xfd7zXZ\x00", "xz", "unxz -k"), (b"\x28\xb5\x2f\xfd", "zstd", "unzstd"),
+               (b"PK\x03\x04", "zip", "unzip"))
+
+
+def compressed_format(path: str | os.PathLike) -> tuple[str, str] | None:
+    """``(format, decompress command)`` when the file starts with the magic bytes of gzip,
+    bzip2, xz, zstd or zip (whatever its name says), else None (also when unreadable)."""
     try:
         with open(path, "rb") as f:
-            head = f.read(4)
+            head = f.read(6)
     except OSError:
-        head = b""
+        return None
+    return next(((fmt, cmd) for magic, fmt, cmd in _COMPRESSED if head.startswith(magic)), None)
+
+
+def _not_utf8(path: Path, e: UnicodeDecodeError) -> DatasetError:
+    """The error for a file that does not decode as UTF-8, with what to do: decompress it (a
+    gzip/bzip2/xz/zstd/zip file, told by its magic bytes), convert it from UTF-16/32 (its
+    byte-order mark), drop the few bytes that are not UTF-8 in an otherwise UTF-8 text
+    (``iconv -c``: at most 1 in 1000 bytes, the first one's offset named), else convert it from
+    Latin-1 (a guess)."""
+    packed = compressed_format(path)
+    if packed:
+        fmt, cmd = packed
+        return DatasetError(f"{path} is a {fmt}-compressed file, not text; decompress it first "
+                            f"(`{cmd} {path.name}`) and give the text file")
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(64 << 20)
+    except OSError:
+        raw = b""
+    head = raw[:4]
     src = ("UTF-32" if head[:4] in (b"\xff\xfe\x00\x00", b"\x00\x00\xfe\xff") else
            "UTF-16" if head[:2] in (b"\xff\xfe", b"\xfe\xff") else "latin1")
+    if src == "latin1" and raw:
+        bad = raw.decode("utf-8", errors="replace").count("\ufffd")
+        if bad * 1000 <= len(raw):  # a UTF-8 text with a few broken bytes: latin1 would mangle it
+            return DatasetError(
+                f"{path} is UTF-8 text but for {bad} byte(s) that are not ({e}); fix those bytes, "
+                f"or drop them: `iconv -f utf-8 -t utf-8 -c {path.name} > "
+                f"{path.stem}.utf8{path.suffix}`")
     what = f"{src} text (its byte-order mark says so)" if src != "latin1" else "UTF-8 text"
     return DatasetError(f"{path} is {'not ' if src == 'latin1' else ''}{what} ({e}); convert it "
                         f"first, e.g. `iconv -f {src} -t utf-8 {path.name} > "
@@ -265,6 +299,13 @@ def _read_txt(path: Path) -> list[str]:
         text = path.read_text(encoding="utf-8-sig")
     except UnicodeDecodeError as e:
         raise _not_utf8(path, e) from None
+    nul = text.count("\0")
+    if nul * 100 > len(text):  # UTF-8 by chance: a binary file, not text
+        raise DatasetError(f"{path} is not a text file ({nul} of its {len(text)} characters are "
+                           "NUL bytes); give a UTF-8 text file")
+    if nul:  # --eval_text refuses them; as calibration text they are tokens like any other
+        warnings.warn(f"{path} holds {nul} NUL byte(s); they are calibrated on as they are "
+                      "(as --eval_text the file would be refused)", stacklevel=2)
     docs = [d.strip() for d in re.split(r"\n[ \t]*\n[ \t]*\n+", text)]
     return [d for d in docs if d]
 
@@ -315,6 +356,12 @@ def _read_hub(name: str) -> list[str]:
     return [t for t in ds["text"] if isinstance(t, str) and t.strip()]
 
 
+#: suffixes that name a file, not a Hugging Face dataset (no hf: hint for a missing one)
+_FILE_SUFFIXES = frozenset((".txt", ".jsonl", ".parquet", ".json", ".csv", ".tsv", ".md", ".py",
+                            ".gz", ".bz2", ".xz", ".zst", ".zip", ".tar", ".html", ".xml",
+                            ".pdf", ".arrow"))
+
+
 def check_source(source: str | os.PathLike) -> None:
     """The checks :func:`read_documents` makes on a source before reading it, without reading
     it: a local file that does not exist or has a suffix other than .txt/.jsonl/.parquet.
@@ -329,16 +376,24 @@ def check_source(source: str | os.PathLike) -> None:
                            "file (concatenate the folder's texts into one)")
     if p.is_file():
         if p.suffix.lower() not in (".txt", ".jsonl", ".parquet"):
+            packed = compressed_format(p)
             raise DatasetError(f"{p}: unsupported file type {p.suffix.lower()!r} "
-                               "(expected .txt, .jsonl or .parquet)")
+                               "(expected .txt, .jsonl or .parquet)" + (
+                                   f"; it is {packed[0]}-compressed: decompress it first "
+                                   f"(`{packed[1]} {p.name}`)" if packed else ""))
     elif p.suffix.lower() in (".txt", ".jsonl", ".parquet") or os.sep in s:
         hub = (f"; a Hugging Face dataset is named with hf: (--data_name hf:{s}, which "
                "needs the `datasets` package and the hub)"
-               if p.suffix.lower() not in (".txt", ".jsonl", ".parquet") and not
+               if p.suffix.lower() not in _FILE_SUFFIXES and not
                Path(s).is_absolute() and s.count("/") == 1 and not s.startswith(".") else "")
         raise DatasetError(f"calibration text {p} does not exist (--data_name): give a "
                            ".txt, .jsonl or .parquet file that exists, or leave --data_name "
                            f"out for the default enwiki text{hub}")
+    elif s != DEFAULT_SOURCE and difflib.get_close_matches(s.lower(), [DEFAULT_SOURCE],
+                                                           cutoff=0.7):
+        raise DatasetError(f"--data_name {s!r} is neither a file nor the built-in text: did you "
+                           f"mean {DEFAULT_SOURCE!r}? (a Hugging Face dataset is named with hf:, "
+                           f"e.g. --data_name hf:{s})")
 
 
 def local_source_description(source: str | os.PathLike) -> str | None:

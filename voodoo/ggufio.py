@@ -71,8 +71,12 @@ def _open(path: str, mode: str) -> GGUFReader:
     except (ValueError, IndexError, OverflowError, MemoryError) as e:
         with open(path, "rb") as f:
             magic = f.read(4)
+        if len(magic) < 4:
+            raise ValueError(f"{path}: {len(magic)} bytes, too short for a GGUF file (its "
+                             "header alone is 24 bytes); copy or download it again") from None
         if magic != GGUF_MAGIC:
-            raise
+            raise ValueError(f"{path}: not a GGUF file (it starts with {magic!r}; a GGUF file "
+                             f"starts with {GGUF_MAGIC!r})") from None
         size = os.path.getsize(path)
         raise ValueError(f"{path}: a GGUF header, but the file is truncated or damaged "
                          f"({size:,} bytes; the metadata or tensor data it declares do not "

@@ -1162,6 +1162,10 @@ def export(ctx: Context, assignment, keys, cache: CandidateCache, out_path,
         mode = (assignment.get("provenance") or {}).get("rounding") or "gptq"
         extra_kv = {**(extra_kv or {}), "voodoo.rounding": str(mode),
                     "voodoo.rounding.tensor_count": len(own)}
+    if out_path.is_dir():
+        from .export import ExportError
+        raise ExportError(f"{out_path} is a folder, where the GGUF would be written: move it "
+                          "away, or name the file otherwise (--output_name NAME)")
     if out_path.exists():  # written atomically: the old file stays whole until the new one is
         log(f"{out_path.name} exists; it is replaced (--output_name NAME keeps both)")
     p = export_gguf(ctx.prepared.base_gguf, assignment, lookup, out_path, extra_kv=extra_kv)
