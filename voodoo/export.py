@@ -12,9 +12,7 @@ same tensor bytes (tests check it tensor by tensor).
 
 from __future__ import annotations
 
-import contextlib
 import json
-import logging
 import os
 import re
 import subprocess
