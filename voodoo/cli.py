@@ -85,8 +85,8 @@ class ArgumentParser(argparse.ArgumentParser):
             elsewhere = {g: self._commands_with(g) for g in given if g not in known}
             elsewhere = {g: c for g, c in elsewhere.items() if c}
             if elsewhere:  # a flag of another command (e.g. export --tensor_upgrades)
-                message += "".join(f" ({g} is a flag of {', '.join(c)}, not of {self.prog})"
-                                   for g, c in elsewhere.items())
+                message += "".join(f" ({g} is a flag of {', '.join(c)}, not of {self.prog}"
+                                   f"{_FLAG_HINTS.get(g, '')})" for g, c in elsewhere.items())
             near = [(g, close(g)) for g in given if g not in elsewhere]
             near = [(g, m[0]) for g, m in near if m]
             near = ([m for _, m in near] if len(near) == 1
@@ -94,6 +94,15 @@ class ArgumentParser(argparse.ArgumentParser):
             if near:
                 message += f" (did you mean {', '.join(near)}?)"
         self.exit(2, f"{self.prog}: error: {message} ({self.prog} -h lists the flags)\n")
+
+
+#: what to do instead, for a flag given to a command that does not take it
+_FLAG_HINTS = {
+    "--tensor_upgrades": "; on a finished run, `voodoo train` with the same --output_dir and "
+                         "flags plus --tensor_upgrades bakes again from its journal without "
+                         "training again (25 s for SmolLM2), "
+                         "then `voodoo export`",
+}
 
 
 class HelpFormatter(argparse.HelpFormatter):
@@ -1057,6 +1066,24 @@ def _lock_run_folder(out: Path, command: str) -> None:
 
 
 _RUN_LOCKS: list[tuple[int, Path]] = []
+
+
+def _run_folder_holder(out: Path) -> str | None:
+    """Who holds ``out``'s :func:`_lock_run_folder` lock now (``"voodoo train, pid N on
+    HOST"``), or None when no command does."""
+    import fcntl
+    path = Path(out) / ".voodoo.lock"
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError:
+        return os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
+    finally:
+        os.close(fd)  # closing drops a lock this call took
+    return None
 
 
 def _release_run_folders() -> None:
@@ -2471,6 +2498,11 @@ def _export(argv):
     r = Run(a)
     r.context()
     asg = _read_assignment(a.assignment)
+    holder = _run_folder_holder(Path(a.assignment).resolve().parent)
+    if holder:  # exporting is safe, but the file may soon be of an older assignment
+        log(f"warning: {Path(a.assignment).parent} is in use by {holder}, which replaces "
+            f"{Path(a.assignment).name} when it bakes; this export is of the assignment as it "
+            "is now")
     made_from = (asg.get("provenance") or {}).get("model")
     if made_from and made_from != r.model_id():
         from .provenance import ProvenanceError, _short
