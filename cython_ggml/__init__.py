@@ -66,6 +66,40 @@ except OSError as e:  # pragma: no cover - depends on the host
 from . import _ggml  # noqa: E402  (symbols resolve against the library loaded above)
 
 
+def _check_build() -> str | None:
+    """Why the compiled ``_ggml`` may not match this package's ``_ggml.pyx``, or None: it was
+    built from another checkout whose ``_ggml.pyx`` differs (a ``ray job submit
+    --working-dir`` copy carries no compiled files: the node's install provides them), or it
+    is older than the ``_ggml.pyx`` beside it (sources updated, e.g. by ``git pull``, without
+    rebuilding)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    built = os.path.dirname(os.path.abspath(_ggml.__file__))
+    pyx, so_pyx = os.path.join(here, "_ggml.pyx"), os.path.join(built, "_ggml.pyx")
+    try:
+        if built != here:
+            if not (os.path.isfile(pyx) and os.path.isfile(so_pyx)):
+                return None
+            with open(pyx, "rb") as a, open(so_pyx, "rb") as b:
+                if a.read() == b.read():
+                    return None
+            return (f"cython_ggml's compiled extension {_ggml.__file__} was built from another "
+                    f"checkout ({built}) whose _ggml.pyx differs from this one's ({here}); "
+                    "install this checkout (`pip install -e .`) or keep both at one commit")
+        if os.path.getmtime(_ggml.__file__) < os.path.getmtime(pyx):
+            return (f"cython_ggml's compiled extension {_ggml.__file__} is older than "
+                    f"{pyx}; rebuild it: `pip install -e .` (or `python setup.py build_ext "
+                    "--inplace`) in the checkout")
+    except OSError:
+        return None
+    return None
+
+
+_stale = _check_build()
+if _stale:
+    import warnings
+    warnings.warn(_stale, stacklevel=2)
+
+
 def library_path() -> str:
     """Path of the libggml-base shared library this process uses."""
     return _lib_path
