@@ -509,3 +509,37 @@ def test_a_damaged_cached_base_gguf_is_converted_again(tiny_fixed, tmp_path):
         else:
             assert "in case the cached" in log and "the cached one was damaged" in log
         assert Path(ctx2.prepared.base_gguf).read_bytes() == good
+
+
+def test_an_imatrix_of_the_same_inputs_comes_from_the_cache(tiny_fixed, tmp_path):  # noqa: F811
+    """Every new run folder computed the imatrix again (45-60 s for SmolLM2, byte-identical
+    each time, a new user's report); the same model and calibration tokens now take it from
+    ``<cache>/imatrix`` (a hard link), and other tokens do not."""
+    args = ["precache", "--model", str(tiny_fixed), "--seq_len", "64", "--n_train_blocks", "8",
+            "--n_eval_blocks", "2", "--imatrix_blocks", "4", "--no_ray",
+            "--candidate_types", "Q8_0,Q4_K", "--rounding", "ggml"]
+    rc, _, err = run_cli([*args, "--output_dir", str(tmp_path / "a")])
+    assert rc == 0, err[-3000:]
+    rc, _, err = run_cli([*args, "--output_dir", str(tmp_path / "b")])
+    assert rc == 0, err[-3000:]
+    assert "imatrix: taken from the cache" in err, err[-3000:]
+    a, b = (tmp_path / x / "imatrix.gguf" for x in "ab")
+    assert a.read_bytes() == b.read_bytes()
+    shared = Path(err.split("imatrix: taken from the cache (", 1)[1].split(")", 1)[0])
+    assert shared.stat().st_ino == b.stat().st_ino
+    # a copy edited in place (the run folder's file is the cache's, hard-linked) is not served
+    raw = b.read_bytes()
+    with open(b, "r+b") as f:
+        f.seek(len(raw) - 8)
+        f.write(bytes(8) if raw[-8:] != bytes(8) else b"\1" * 8)
+    rc, _, err = run_cli([*args, "--output_dir", str(tmp_path / "d")])
+    assert rc == 0, err[-3000:]
+    assert "could not be used (its bytes changed since it was kept)" in err, err[-3000:]
+    assert (tmp_path / "d" / "imatrix.gguf").read_bytes() == raw
+    b.unlink()
+    rc, _, err = run_cli([*args, "--output_dir", str(tmp_path / "c"), "--seed", "1"])
+    assert rc == 0, err[-3000:]
+    # other calibration tokens: not that file (another entry, made by an earlier session's
+    # run of this test, may serve: the cache outlives the tests)
+    assert str(shared) not in err, err[-3000:]
+    assert (tmp_path / "c" / "imatrix.gguf").read_bytes() != a.read_bytes()

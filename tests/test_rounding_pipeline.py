@@ -241,6 +241,12 @@ def test_rounding_choice_shows_progress_and_keeps_what_it_scored(tiny_fixed, tmp
             raise KeyboardInterrupt
         return real(*a, **k)
     monkeypatch.setattr(vr, "proxy_error", counted)
+    import voodoo.pipeline as vp
+
+    def cache_in(d):   # the cache's scores (other run folders') in a folder of this test's
+        monkeypatch.setattr(vp, "_shared_rounding",
+                            lambda h: vp._shared_rounding_at(tmp_path / d / "scores.json"))
+    cache_in("cache")
     full = tmp_path / "full"
     rc, _, err = run_cli([*args, "--output_dir", str(full)])
     assert rc == 0, err[-3000:]
@@ -248,6 +254,13 @@ def test_rounding_choice_shows_progress_and_keeps_what_it_scored(tiny_fixed, tmp
     table = json.loads((full / "rounding.json").read_text())["tensors"]
     n_pairs = sum(e["proxy"] == "output_error" for pt in table.values() for e in pt.values())
     assert calls["n"] == 2 * n_pairs and n_pairs >= 6
+    # another run folder with the same held-out blocks scores nothing: the cache has them
+    calls.update(n=0, stop=None)
+    rc, _, err = run_cli([*args, "--output_dir", str(tmp_path / "again")])
+    assert rc == 0, err[-3000:]
+    assert calls["n"] == 0 and "pairs taken from the cache" in err, err[-3000:]
+    assert json.loads((tmp_path / "again" / "rounding.json").read_text())["tensors"] == table
+    cache_in("empty-cache")   # the rest of the test: a folder's own rounding.json only
     part = tmp_path / "part"
     calls.update(n=0, stop=2 * (n_pairs // 2))  # stop in the middle
     rc, _, err = run_cli([*args, "--output_dir", str(part)])
@@ -260,7 +273,7 @@ def test_rounding_choice_shows_progress_and_keeps_what_it_scored(tiny_fixed, tmp
     assert rc == 0, err[-3000:]
     assert calls["n"] == 2 * (n_pairs - n_kept)
     m = re.search(r"rounding choice: (\d+) \(tensor, type\) pairs already scored in "
-                  r"rounding.json; scoring the other (\d+)", err)  # the head's pairs too
+                  r"rounding.json; (\d+) to score", err)  # the head's pairs too
     assert m and int(m.group(1)) >= n_kept and int(m.group(2)) >= n_pairs - n_kept, err[-3000:]
     assert json.loads((part / "rounding.json").read_text())["tensors"] == table
 

@@ -3,8 +3,9 @@
 The cache (``$VOODOO_CACHE`` or ``~/.cache/voodoo``) only grows: every model converted
 (``models/<key>/``, an F32 GGUF of the whole model), every candidate quantized
 (``candidates/<TYPE>/<digest>.arrow``), every Fisher diagonal (``fisher/``), every set of
-input Hessians (``hessians/``, hard links of the run folders' ``hessians*.npz``), every reference's
-logits for KLD (``kld/``), every cleaned evaluation text (``texts/``) and every llama.cpp build
+input Hessians (``hessians/``, hard links of the run folders' ``hessians*.npz``), every
+computed imatrix (``imatrix/``, likewise), every ``--rounding auto`` score (``rounding/``),
+every reference's logits for KLD (``kld/``), every cleaned evaluation text (``texts/``) and every llama.cpp build
 (``llama.cpp/<commit>/``). Everything there is rebuilt on demand when missing, so deleting an
 entry costs only the time to remake it.
 
@@ -33,7 +34,8 @@ from pathlib import Path
 __all__ = ["CacheEntry", "PruneResult", "cache_entries", "is_voodoo_cache", "prune_cache"]
 
 #: The sub-folders of the cache whose entries are derived files, rebuilt on demand.
-PRUNABLE = ("candidates", "models", "fisher", "hessians", "kld", "texts", "llama.cpp")
+PRUNABLE = ("candidates", "models", "fisher", "hessians", "imatrix", "rounding", "kld",
+            "texts", "llama.cpp")
 
 
 @dataclass(frozen=True)

@@ -1457,9 +1457,16 @@ class Run:
             blocks = getattr(self, "train_blocks", None)
             calib = None if have or blocks is None else blocks[: a.imatrix_blocks]
             self.imatrix_path = Path(a.imatrix) if a.imatrix else self.out / "imatrix.gguf"
+            from .pipeline import shared_imatrix
+            shared = None if a.imatrix or calib is None else shared_imatrix(
+                self.out / "imatrix.gguf", self.imatrix_inputs())
+            if shared is not None:  # another run folder made it from the same model and tokens
+                calib = None
             self.im = ensure_imatrix(self.ctx, self.out / "imatrix.gguf", calib, a.imatrix)
-            if not a.imatrix and calib is not None:
+            if not a.imatrix and (calib is not None or shared is not None):
                 from .provenance import record
+                if shared is None:
+                    shared_imatrix(self.out / "imatrix.gguf", self.imatrix_inputs(), keep=True)
                 record(self.out, "imatrix.gguf", self.imatrix_inputs())
         self.hessians = None
         if getattr(a, "rounding", None) in ("gptq", "auto"):

@@ -467,6 +467,46 @@ def ensure_imatrix(ctx: Context, path, blocks: torch.Tensor | None = None,
     return read_imatrix(path)
 
 
+def shared_imatrix(path, inputs: dict, keep: bool = False) -> Path | None:
+    """The Voodoo cache's copy of a computed imatrix (``<cache>/imatrix/<hash of inputs>.gguf``,
+    ``inputs``: the model and the calibration tokens' sha256, :meth:`Run.imatrix_inputs`), so
+    that another run folder with the same model and tokens does not compute it again (45-60 s
+    for SmolLM2 on 2 cores; llama-imatrix's minutes for a larger model). ``keep=False``: when
+    the cache has a readable one, it is placed at ``path`` (a hard link where the file systems
+    allow) and returned; else None. ``keep=True``: ``path`` (just computed) is put in the cache
+    (a read-only or full cache costs only the reuse). Never raises OSError."""
+    import hashlib
+
+    from .imatrix import read_imatrix
+    from .llamacpp import cache_root
+    want = json.dumps({**{k: v for k, v in inputs.items() if k != "sha256"},
+                       "imatrix_version": 1}, sort_keys=True)
+    shared = cache_root() / "imatrix" / f"{hashlib.sha256(want.encode()).hexdigest()[:32]}.gguf"
+    path = Path(path)
+    from .fsutil import atomic_write_text, sha256_file
+    record = shared.with_suffix(".json")  # its sha256: a copy edited in place is not served
+    if keep:
+        try:
+            _link_or_copy(path, shared)
+            atomic_write_text(record, json.dumps({"inputs": want, "sha256": sha256_file(path)}))
+        except OSError as e:
+            log(f"could not keep the imatrix in the cache ({shared}: {e.strerror or e})")
+        return shared
+    if "tokens" not in inputs or not shared.is_file():
+        return None
+    try:
+        if json.loads(record.read_text()).get("sha256") != sha256_file(shared):
+            raise ValueError("its bytes changed since it was kept")
+        read_imatrix(shared)
+        _link_or_copy(shared, path)
+    except (OSError, ValueError) as e:  # damaged, or the run folder is full: computed anew
+        log(f"the cache's imatrix {shared} could not be used ({e}); computing it")
+        return None
+    log(f"imatrix: taken from the cache ({shared}), made from the same model and calibration "
+        "tokens")
+    return shared
+
+
 # ------------------------------------------------------------------- input Hessians
 def ensure_hessians(ctx: Context, path, blocks: torch.Tensor | None = None,
                     inputs: dict | None = None, label: str = "input Hessians"
@@ -695,6 +735,42 @@ def head_inputs(ctx: Context, blocks: torch.Tensor, max_tokens: int = 4096,
     return (x, fmap) if logit_map else x
 
 
+def _shared_rounding(heldout_id: str) -> tuple[Path, dict]:
+    """The Voodoo cache's scores of :func:`choose_rounding` for ``heldout_id``
+    (``<cache>/rounding/<hash>.json``: ``"<ggml key>:<feedback key>:<proxy>"`` -> ``[ggml,
+    feedback]``), and its path; ``{}`` when it is missing or unreadable."""
+    import hashlib
+
+    from .llamacpp import cache_root
+    return _shared_rounding_at(cache_root() / "rounding" /
+                               f"{hashlib.sha256(heldout_id.encode()).hexdigest()[:32]}.json")
+
+
+def _keep_rounding(shared_path: Path | None, table: dict) -> None:
+    """Merges a run's scored pairs (``rounding.json``'s ``tensors``) into the cache's file
+    (atomically; a read-only or full cache costs only the reuse)."""
+    if shared_path is None:
+        return
+    _, have = _shared_rounding_at(shared_path)
+    for by_type in table.values():
+        for ent in by_type.values():
+            have[f"{ent['ggml_key']}:{ent['feedback_key']}:{ent['proxy']}"] = [ent["ggml"],
+                                                                             ent["feedback"]]
+    from .fsutil import atomic_write_text
+    try:
+        atomic_write_text(shared_path, json.dumps(have))
+    except OSError as e:
+        log(f"could not keep the rounding scores in the cache ({shared_path}: {e.strerror or e})")
+
+
+def _shared_rounding_at(p: Path) -> tuple[Path, dict]:
+    try:
+        got = json.loads(p.read_text())
+    except (OSError, ValueError):
+        return p, {}
+    return p, got if isinstance(got, dict) else {}
+
+
 def choose_rounding(ctx: Context, menus, imatrix, cache: CandidateCache, hessians, heldout,
                     precache: Callable | None = None, path=None,
                     heldout_id: str = "", head=None) -> dict[str, list[str]]:
@@ -754,17 +830,37 @@ def choose_rounding(ctx: Context, menus, imatrix, cache: CandidateCache, hessian
     weights = None
     changed = False
     from .progress import Progress
+    kept = eligible - len(todo)  # scored by an interrupted earlier run (rounding.json)
+    if todo and kept and path is not None:
+        log(f"rounding choice: {kept} (tensor, type) pairs already scored in {path.name}; "
+            f"{len(todo)} to score")
+    shared_path, shared = _shared_rounding(heldout_id) if path is not None else (None, {})
+    if todo and shared:  # scored by another run folder with the same held-out blocks
+        left = []
+        for s, t, kind in todo:
+            n = s.gguf_name
+            kg, kf = keys_g[(n, t)], keys_f[(n, t)]
+            got = shared.get(f"{kg.digest}:{kf.digest}:{kind}")
+            if not (isinstance(got, list) and len(got) == 2):
+                left.append((s, t, kind))
+                continue
+            eg, ef = float(got[0]), float(got[1])
+            table.setdefault(n, {})[t] = {"ggml": eg, "feedback": ef, "proxy": kind,
+                                          "choice": "feedback" if ef < eg else "ggml",
+                                          "ggml_key": kg.digest, "feedback_key": kf.digest}
+            changed = True
+        if len(left) < len(todo):
+            log(f"rounding choice: {len(todo) - len(left)} (tensor, type) pairs taken from the "
+                f"cache ({shared_path}), scored on the same held-out blocks")
+        todo = left
 
     def save():
         if path is not None and changed:
             tmp = path.with_name(f".{path.name}.partial-{os.getpid()}")
             tmp.write_text(json.dumps({"heldout": heldout_id, "tensors": table}, indent=1))
             os.replace(tmp, path)
+            _keep_rounding(shared_path, table)
 
-    kept = eligible - len(todo)  # scored by an interrupted earlier run (rounding.json)
-    if todo and kept and path is not None:
-        log(f"rounding choice: {kept} (tensor, type) pairs already scored in {path.name}; "
-            f"scoring the other {len(todo)}")
     prog = Progress(len(todo), "rounding choice: held-out error of both roundings",
                     unit="pair") if todo else None
     finished = False
