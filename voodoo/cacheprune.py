@@ -6,8 +6,8 @@ The cache (``$VOODOO_CACHE`` or ``~/.cache/voodoo``) only grows: every model con
 input Hessians (``hessians/``, hard links of the run folders' ``hessians*.npz``), every
 computed imatrix (``imatrix/``, likewise), every ``--rounding auto`` score (``rounding/``),
 every reference's logits for KLD (``kld/``), every cleaned evaluation text (``texts/``) and
-every llama.cpp build (``llama.cpp/<commit>/``). Everything there is rebuilt on demand when missing, so deleting an
-entry costs only the time to remake it.
+every llama.cpp build (``llama.cpp/<commit>/``). Everything there is rebuilt on demand when
+missing, so deleting an entry costs only the time to remake it.
 
 An entry's last use is the newest ``max(atime, mtime)`` of its files: reading a file updates
 its atime on the usual ``relatime`` mounts at least once a day, so an entry a run still reads
