@@ -861,8 +861,16 @@ def choose_rounding(ctx: Context, menus, imatrix, cache: CandidateCache, hessian
             os.replace(tmp, path)
             _keep_rounding(shared_path, table)
 
-    prog = Progress(len(todo), "rounding choice: held-out error of both roundings",
-                    unit="pair") if todo else None
+    def work(s, kind):  # the pair's multiply-adds in GFLOP (at least 1), so the progress line
+        # moves with the time spent: the head's logits over 4096 tokens outweigh a layer's pair
+        if kind == "logit_kl":
+            f = 3 * 4096 * s.n_per_row * s.n_rows    # x W^T for the reference and both candidates
+        else:
+            f = 2 * s.n_rows * s.n_per_row ** 2      # E H E^T for both candidates
+        return max(1, round(f / 1e9))
+    prog = Progress(sum(work(s, kind) for s, _, kind in todo),
+                    "rounding choice: held-out error of both roundings",
+                    unit="GFLOP") if todo else None
     finished = False
     try:
         for s, t, kind in todo:
@@ -889,7 +897,7 @@ def choose_rounding(ctx: Context, menus, imatrix, cache: CandidateCache, hessian
                                           "choice": "feedback" if ef < eg else "ggml",
                                           "ggml_key": kg.digest, "feedback_key": kf.digest}
             changed = True
-            prog.update(1, note=f"{n} {t}")
+            prog.update(work(s, kind), note=f"{n} {t}")
         finished = True
     finally:  # an interrupted run keeps the pairs it scored (the next run scores the rest)
         save()
