@@ -2171,14 +2171,14 @@ def _train(argv, run_all=False):
     _check_inputs_early(a)
     if run_all:
         _check_eval_split_length(a)
+        if not a.eval_text and _default_eval_text() is None:
+            log("no --eval_text and no ../shared/data/wikitext-2-raw-test.txt: the "
+                "final llama-perplexity table will score the held-out eval split of the "
+                "calibration corpus (--data_name), not WikiText-2")
     from .bake import parse_tensor_upgrades
     rules = parse_tensor_upgrades(a.tensor_upgrades)  # malformed JSON / regex: fail now
     r = Run(a)
     r.context()
-    if run_all and not a.eval_text and _default_eval_text() is None:  # once the model is found
-        log("no --eval_text and no ../shared/data/wikitext-2-raw-test.txt: the "
-            "final llama-perplexity table will score the held-out eval split of the "
-            "calibration corpus (--data_name), not WikiText-2")
     _default_rounding(a, r.ctx.specs)
     eval_text = (a.eval_text or _default_eval_text()) if run_all else None
     if run_all and a.eval_text:
