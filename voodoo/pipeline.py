@@ -475,13 +475,10 @@ def shared_imatrix(path, inputs: dict, keep: bool = False) -> Path | None:
     the cache has a readable one, it is placed at ``path`` (a hard link where the file systems
     allow) and returned; else None. ``keep=True``: ``path`` (just computed) is put in the cache
     (a read-only or full cache costs only the reuse). Never raises OSError."""
-    import hashlib
-
     from .imatrix import read_imatrix
-    from .llamacpp import cache_root
     want = json.dumps({**{k: v for k, v in inputs.items() if k != "sha256"},
                        "imatrix_version": 1}, sort_keys=True)
-    shared = cache_root() / "imatrix" / f"{hashlib.sha256(want.encode()).hexdigest()[:32]}.gguf"
+    shared = _cache_file("imatrix", want, ".gguf")
     path = Path(path)
     from .fsutil import atomic_write_text, sha256_file
     record = shared.with_suffix(".json")  # its sha256: a copy edited in place is not served
@@ -545,7 +542,7 @@ def ensure_hessians(ctx: Context, path, blocks: torch.Tensor | None = None,
             if got is not None:
                 return got
             log(f"{path} was made from other inputs; recomputing it")
-    shared = _shared_hessians_path(want) if inputs else None
+    shared = _cache_file("hessians", want, ".npz") if inputs else None
     if shared is not None and shared.is_file():
         try:
             got = load_hessians(shared, want)
@@ -598,11 +595,13 @@ def ensure_hessians(ctx: Context, path, blocks: torch.Tensor | None = None,
     return hs
 
 
-def _shared_hessians_path(want: str) -> Path:
-    """``<cache>/hessians/<sha256 of the inputs' JSON>.npz``."""
+def _cache_file(kind: str, want: str, suffix: str) -> Path:
+    """``<cache>/<kind>/<sha256 of want>[:32]<suffix>``: where a derived file made from the
+    inputs ``want`` (their JSON) is shared between run folders (Hessians, imatrix, rounding
+    scores)."""
     from .llamacpp import cache_root
     import hashlib
-    return cache_root() / "hessians" / f"{hashlib.sha256(want.encode()).hexdigest()[:32]}.npz"
+    return cache_root() / kind / f"{hashlib.sha256(want.encode()).hexdigest()[:32]}{suffix}"
 
 
 def _link_or_copy(src: Path, dst: Path) -> None:
@@ -739,11 +738,7 @@ def _shared_rounding(heldout_id: str) -> tuple[Path, dict]:
     """The Voodoo cache's scores of :func:`choose_rounding` for ``heldout_id``
     (``<cache>/rounding/<hash>.json``: ``"<ggml key>:<feedback key>:<proxy>"`` -> ``[ggml,
     feedback]``), and its path; ``{}`` when it is missing or unreadable."""
-    import hashlib
-
-    from .llamacpp import cache_root
-    return _shared_rounding_at(cache_root() / "rounding" /
-                               f"{hashlib.sha256(heldout_id.encode()).hexdigest()[:32]}.json")
+    return _shared_rounding_at(_cache_file("rounding", heldout_id, ".json"))
 
 
 def _keep_rounding(shared_path: Path | None, table: dict) -> None:
@@ -764,6 +759,7 @@ def _keep_rounding(shared_path: Path | None, table: dict) -> None:
 
 
 def _shared_rounding_at(p: Path) -> tuple[Path, dict]:
+    """``(p, the scores in the JSON file p)``; ``{}`` when it is missing or unreadable."""
     try:
         got = json.loads(p.read_text())
     except (OSError, ValueError):
