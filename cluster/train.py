@@ -86,7 +86,8 @@ from voodoo.budget import budget_bytes, check_reachable
 from voodoo.gates import (gate_parameters, gate_state, load_gate_state,
                           mixed_weights)
 from voodoo.train import (_RESUME_FREE, METRICS, TrainConfig, _rng_state, _set_rng_state,
-                          batch_indices, start_gates, temperature_at, train_step)
+                          batch_indices, enable_checkpointing, start_gates, temperature_at,
+                          train_step)
 
 __all__ = [
     "WorkerInfo", "StudentJob", "RunResult", "train_loop_per_worker", "run_loop",
@@ -572,10 +573,8 @@ def run_loop(config: dict, backend) -> dict:
     ids_of = {id(p) for p in params}
     for p in student.parameters():
         p.requires_grad_(id(p) in ids_of)
-    if cfg.gradient_checkpointing and hasattr(student, "gradient_checkpointing_enable"):
-        student.gradient_checkpointing_enable(
-            gradient_checkpointing_kwargs={"use_reentrant": False})
-        student.train()
+    if cfg.gradient_checkpointing and enable_checkpointing(student):
+        student.train()  # HF checkpoints only in training mode
     else:
         student.eval()
     if isinstance(teacher, nn.Module):

@@ -3,11 +3,12 @@
 # "baked:" line.) Runs run.sh's ray mode with every line time-stamped, and at TMO seconds sends
 # SIGUSR1 (faulthandler dumps every thread's stack) before the kill. Stage as for run.sh.
 # MODE=tune: `voodoo tune` instead, NS trials sharing the GPU (--gpus_per_trial 1/NS), --export.
+# EXTRA: more flags for the command (e.g. --gradient_checkpointing).
 set -uo pipefail
 LIBONLY=${LIBONLY-1} source benchmarks/gpu_cli/setup.sh   # the tools are not needed
 M=/tmp/smol-random-${LAYERS:-30}
 [ -f $M/model.safetensors ] || python3 benchmarks/gpu_cli/make_model.py .gpu/tokenizer $M ${LAYERS:-30} 2>&1 | tail -1
-C="--model $M --data_name $PWD/.gpu/calib.txt --seq_len 512 --n_train_blocks ${NB:-32} --n_eval_blocks 4 --imatrix_blocks 8 --compression_ratio 0.55 --max_steps ${STEPS:-8} --device cuda"
+C="--model $M --data_name $PWD/.gpu/calib.txt --seq_len 512 --n_train_blocks ${NB:-32} --n_eval_blocks 4 --imatrix_blocks 8 --compression_ratio 0.55 --max_steps ${STEPS:-8} --device cuda ${EXTRA:-}"
 if [ "${MODE:-train}" = tune ]; then
   NS=${NS:-2}
   X="tune --num_samples $NS --max_concurrent_trials $NS --gpus_per_trial $(python3 -c "print(1/$NS)") --export --dtype bfloat16"

@@ -59,6 +59,26 @@ def test_in_process_run_resumes_from_checkpoint(tmp_path, reference):
                      storage_path=tmp_path)
 
 
+def test_gradient_checkpointing_gives_the_same_gates(tmp_path, reference, monkeypatch):
+    """``--gradient_checkpointing`` in Ray Train's loop: the decoder layers really recompute
+    (transformers' checkpointing is on, through :func:`voodoo.train.enable_checkpointing` as in
+    the single-process trainer) and the gates come out as without it (fp32, same seed)."""
+    import transformers
+    calls = []
+    for name in ("activation_checkpointing_enable", "gradient_checkpointing_enable"):
+        orig = getattr(transformers.PreTrainedModel, name, None)
+        if orig is not None:
+            def spy(self, *a, _orig=orig, **kw):
+                calls.append(kw)
+                return _orig(self, *a, **kw)
+            monkeypatch.setattr(transformers.PreTrainedModel, name, spy)
+    out = run_training(TinyLlamaFactory(), _cfg(gradient_checkpointing=True), num_workers=0,
+                       run_name="ckpt", storage_path=tmp_path)
+    assert out.finished and out.step == 6
+    assert calls, "transformers' checkpointing was not turned on"
+    _same_gates(out.gates, reference.gates, atol=1e-5)
+
+
 def test_cli_refuses_another_runs_checkpoint_before_any_work(tmp_path):
     """`voodoo train --ray` with other settings than the Ray run it would resume: refused by
     the driver (the CLI's early check, before data, imatrix, candidates, Fisher and Ray's
