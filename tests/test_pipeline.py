@@ -106,6 +106,7 @@ def test_run_writes_every_stage(tiny_run):
     # the pre-flight check ran before training: llama.cpp on the F32 GGUF == transformers
     pre = json.loads((out / "preflight.json").read_text())
     assert pre["ok"] and pre["kld_mean"] < 1e-3 and pre["same_top_p"] > 0.99, pre
+    assert pre["n_ctx"] == 64 and pre["n_tokens"] == 8 * 31, pre  # chunks of --seq_len
     rows = json.loads((out / "eval" / "report.json").read_text())
     assert [r["file"] for r in rows] == ["Voodoo"]
     timing = json.loads((out / "eval" / "timing.json").read_text())

@@ -175,3 +175,30 @@ def test_make_tiny_is_deterministic(tmp_path):
     b = make_tiny("qwen3", tmp_path / "b", seed=3)
     wa, wb = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_preflight_runs_at_the_training_length(tmp_path, converter_ready):
+    """A Mistral whose sliding window (160 tokens) llama.cpp does not apply (its converter
+    writes Mistral as the llama architecture, full attention): on 128-token chunks the two agree,
+    so a check shorter than the training blocks passed it and the gates trained on a model
+    llama.cpp does not run (found by a tester at window 200, --seq_len 512: KL 4.3). The run's
+    pre-flight uses chunks of --seq_len and stops it."""
+    from test_cli_errors import error_line
+    from test_pipeline import run_cli
+    from voodoo.agreement import llama_vs_torch, preflight_shape
+    from voodoo.models import load_hf_model, prepare_model
+    from zoo import _build
+    cfg = dict(FAMILIES["mistral"][1], sliding_window=160)
+    d = _build("MistralForCausalLM", cfg, FAMILIES["mistral"][2], tmp_path / "mistral_w160", 0)
+    prep = prepare_model(d, work_dir=tmp_path / "cache")
+    model = load_hf_model(prep)
+    short = llama_vs_torch(prep.base_gguf, model, zoo_tokens(model.config.vocab_size, 4, 128))
+    assert short["kld_mean"] < 1e-3, short["kld_mean"]  # the window is out of play
+    assert preflight_shape(256) == (2, 256) and preflight_shape(128) == (4, 128)
+    assert preflight_shape(4096) == (1, 4096)
+    rc, _, err = run_cli(["train", "--model", str(d), "--output_dir", str(tmp_path / "run"),
+                          "--seq_len", "256", "--n_train_blocks", "2", "--n_eval_blocks", "1",
+                          "--imatrix_blocks", "1", "--no_ray", "--max_steps", "1"])
+    line = error_line(rc, err)
+    assert "pre-flight check failed" in line and "2 chunks of 256 tokens" in line, line
+    assert "--seq_len 256" in line and "--skip_preflight" in line, line

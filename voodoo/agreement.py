@@ -38,7 +38,7 @@ from .llamacpp import tool_path
 
 __all__ = ["write_kld_base", "read_kld_base", "torch_logits", "chunk_tokens", "gguf_vocab",
            "llama_vs_torch", "preflight", "AgreementError", "LlamaCppLoadError", "KLD_MAGIC",
-           "DEFAULT_PREFLIGHT_MAX_KLD", "DEFAULT_PREFLIGHT_CTX", "DEFAULT_PREFLIGHT_CHUNKS"]
+           "DEFAULT_PREFLIGHT_MAX_KLD", "DEFAULT_PREFLIGHT_TOKENS", "preflight_shape"]
 
 #: The base-logits file's first 8 bytes (``perplexity()`` / ``kl_divergence()``).
 KLD_MAGIC = b"_logits_"
@@ -50,9 +50,23 @@ _LOGIT_RANGE = 16.0
 #: as transformers measures ~1e-6 (float32 rounding and the base file's 16-bit log-probs); the
 #: configurations llama.cpp silently computes differently measured 3e-3 .. 0.5.
 DEFAULT_PREFLIGHT_MAX_KLD = 1e-3
-#: Pre-flight shape: 4 chunks of 128 tokens (512 tokens, 252 scored positions; seconds).
-DEFAULT_PREFLIGHT_CTX = 128
-DEFAULT_PREFLIGHT_CHUNKS = 4
+#: Pre-flight size: at least this many tokens, in chunks of the training length (see
+#: :func:`preflight_shape`; at ``--seq_len 128`` 4 chunks, 252 scored positions; seconds).
+DEFAULT_PREFLIGHT_TOKENS = 512
+
+
+def preflight_shape(seq_len: int, n_tokens: int = DEFAULT_PREFLIGHT_TOKENS) -> tuple[int, int]:
+    """``(n_chunk, n_ctx)`` of the pre-flight check for gates trained on ``seq_len``-token
+    blocks: chunks of the full training length, as many as make ``n_tokens``.
+
+    A check on shorter chunks misses what only shows later in a block: a sliding window that
+    llama.cpp ignores or places differently (Mistral's ``sliding_window`` of 200, Qwen2's
+    ``use_sliding_window``: KL below 1e-5 at 128 tokens, 4.3 and 1.6 at 512). llama-perplexity
+    scores positions ``n_ctx/2 .. n_ctx-2`` of each chunk, so a difference from any position
+    below ``seq_len`` on is among the scored ones. ``seq_len`` < 4 raises ValueError."""
+    if seq_len < 4:
+        raise ValueError(f"seq_len={seq_len} is too short for llama-perplexity's scoring")
+    return max(1, -(-int(n_tokens) // int(seq_len))), int(seq_len)
 
 
 #: llama-perplexity runs per check. The pinned build sometimes exits with status 0 right after
@@ -414,8 +428,8 @@ def preflight(hf_model: torch.nn.Module, f32_gguf: str | os.PathLike, tokens: to
             converter kept quantized (gpt-oss's MXFP4 experts) are compared from a dequantized
             copy (:func:`voodoo.export.dequantized_copy`): llama.cpp's activation rounding for
             them is not a disagreement about the architecture.
-        tokens: LongTensor ``(n_chunk, n_ctx)``, e.g. ``chunk_tokens(ids,
-            DEFAULT_PREFLIGHT_CTX, DEFAULT_PREFLIGHT_CHUNKS)``.
+        tokens: LongTensor ``(n_chunk, n_ctx)``, e.g. ``chunk_tokens(ids, n_ctx, n_chunk)``
+            with ``n_chunk, n_ctx = preflight_shape(seq_len)``: chunks of the training length.
         max_kld: largest mean KLD (nats/token) that counts as agreement; the default
             :data:`DEFAULT_PREFLIGHT_MAX_KLD` sits far above float32 noise (~1e-6) and below the
             smallest disagreement seen (3e-3).
@@ -471,8 +485,9 @@ def preflight(hf_model: torch.nn.Module, f32_gguf: str | os.PathLike, tokens: to
             "sliding-window pattern, no-RoPE layers, RoPE settings or an MoE gating function "
             "(`scoring_func`) it does not read). Voodoo "
             "optimises the KLD of the torch model, which would not be the KLD of what llama.cpp "
-            "serves. Fix the config or the llama.cpp version; to go on anyway, pass "
-            "--skip_preflight.", res)
+            "serves. Fix the config or the llama.cpp version (a sliding window shows only in "
+            f"chunks longer than it: these are the training length, --seq_len {res['n_ctx']}); "
+            "to go on anyway, pass --skip_preflight.", res)
     return res
 
 

@@ -1349,8 +1349,7 @@ class Run:
         ``--skip_preflight``."""
         import json as _json
 
-        from .agreement import (DEFAULT_PREFLIGHT_CHUNKS, DEFAULT_PREFLIGHT_CTX,
-                                AgreementError, chunk_tokens, preflight)
+        from .agreement import AgreementError, chunk_tokens, preflight, preflight_shape
         from .llamacpp import LlamaCppNotBuilt, tool_path
         from .pipeline import write_json
         from .provenance import file_sha256
@@ -1362,18 +1361,20 @@ class Run:
         base = self.ctx.prepared.base_gguf
         path = self.out / "preflight.json"
         key = file_sha256(base)
+        # chunks of the training length: what shows only late in a block (a sliding window
+        # llama.cpp ignores) must show here too
+        n_chunk, n_ctx = preflight_shape(int(self.train_blocks.shape[1]))
         if path.is_file():
             try:
                 old = _json.loads(path.read_text())
-                if old.get("base_sha256") == key and old.get("ok"):
+                if old.get("base_sha256") == key and old.get("ok") and \
+                        int(old.get("n_ctx") or 0) >= n_ctx:
                     return old
             except ValueError:
                 pass
-        n_ctx = min(DEFAULT_PREFLIGHT_CTX, int(self.train_blocks.shape[1]))
         with self.timer("pre-flight (llama.cpp vs transformers)"):
             try:
-                tokens = chunk_tokens(self.train_blocks.reshape(-1), n_ctx,
-                                      DEFAULT_PREFLIGHT_CHUNKS)
+                tokens = chunk_tokens(self.train_blocks.reshape(-1), n_ctx, n_chunk)
                 res = preflight(self.ctx.model, base, tokens)
                 ok = True
             except AgreementError as e:
@@ -1392,13 +1393,15 @@ class Run:
                     f"{self.train_blocks.numel()} calibration tokens: {e}; give more tokens "
                     f"(--n_train_blocks x --seq_len) or --skip_preflight") from None
         rec = {"base_sha256": key, "ok": ok, "kld_mean": res.get("kld_mean"),
-               "same_top_p": res.get("same_top_p"), "n_tokens": res.get("n_tokens")}
+               "same_top_p": res.get("same_top_p"), "n_tokens": res.get("n_tokens"),
+               "n_ctx": n_ctx}
         kld = rec["kld_mean"]
         if isinstance(kld, float) and kld < 1e-5:
             # at the 16-bit log-probs' resolution the estimate may come out a hair below zero
             kld = "below 1e-05"
         log(f"pre-flight: llama.cpp on {base.name} vs transformers: KLD {kld} "
-            f"nats/token, same top-1 {rec['same_top_p']} on {rec['n_tokens']} positions")
+            f"nats/token, same top-1 {rec['same_top_p']} on {rec['n_tokens']} positions "
+            f"({n_chunk} x {n_ctx} tokens, the training length)")
         write_json(path, rec)
         return rec
 
