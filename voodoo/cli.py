@@ -1313,7 +1313,6 @@ class Run:
     def menus_and_budget(self):
         """Menus, size table and budget; the budget is checked against the menus' reachable
         range here, before the data, imatrix and candidate stages."""
-        from .budget import check_reachable
         from .pipeline import bytes_table, selectable_budget
         a = self.a
         self.menus = self.base_menus()
@@ -1326,8 +1325,25 @@ class Run:
             return None
         self.budget = selectable_budget(self.ctx.specs, _ratio(a), a.target_bits,
                                         a.budget_reduction, match)
-        check_reachable(self.budget, self.table, self.ctx.shapes)
+        self._check_budget()
         return self.budget
+
+    def _check_budget(self):
+        """:func:`voodoo.budget.check_reachable` of ``self.budget`` on ``self.table``. Under
+        ``--match_size`` a target at most 0.5% above the largest file the menus make (bake's
+        window; ``--match_size Q8_0`` with Q8_0 at the top of every menu: the stock file's
+        metadata differs by a few hundred bytes) is met by that file, every tensor at its
+        largest type, with a line saying so; a target further above, or an explicit
+        ``--compression_ratio``/``--target_bits`` out of range, is refused."""
+        from .budget import check_reachable, reachable_range
+        hi = reachable_range(self.table)[1]
+        if getattr(self.a, "match_size", None) and hi < self.budget <= hi / (1 - 0.005):
+            print(f"--match_size {self.a.match_size}: the target's {int(self.budget)} "
+                  f"selectable bytes are {int(self.budget) - hi} above the largest file the "
+                  f"menus make, every tensor at its largest type ({hi} bytes): that file is "
+                  "the one to write", flush=True)
+            self.budget = hi
+        check_reachable(self.budget, self.table, self.ctx.shapes)
 
     def data(self):
         from .pipeline import ensure_dataset
@@ -1559,10 +1575,9 @@ class Run:
         self.menus = self.imatrix_safe(self.menus, say=True)
         if sum(len(m) for m in self.menus.values()) != n_before and \
                 getattr(self, "budget", None) is not None:
-            from .budget import check_reachable
             from .pipeline import bytes_table
             self.table = bytes_table(self.ctx.specs, self.menus)
-            check_reachable(self.budget, self.table, self.ctx.shapes)
+            self._check_budget()
         self.cache = _cache(a)
         feedback = self.feedback_for(self.menus)
         with self.timer("candidates (libggml)"):
