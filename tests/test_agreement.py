@@ -211,6 +211,35 @@ def test_a_gguf_llama_cpp_cannot_load_is_a_clear_error(tiny_prepared, tiny_hf, t
         llama_vs_torch(bad, tiny_hf, tiny_tokens, threads=1)
 
 
+def test_a_phi3_folder_name_on_another_vocabulary_is_named(tiny_prepared, tiny_hf,
+                                                          tiny_tokens, tmp_path):
+    """llama.cpp gives a model whose general.name (the converter takes it from the folder's
+    name) contains "phi3" Phi-3's token attributes and looks up "</s>", "<unk>", "<s>": on
+    SmolLM2's vocabulary its loader dies with "unordered_map::at". The pre-flight names the
+    rule and the fix (rename the folder), not "a limit of llama.cpp for this configuration"
+    (a tester's folder "phi3_longrope" failed so; renamed, the same model ran end to end)."""
+    _tools()
+    import shutil
+
+    from voodoo.agreement import LlamaCppLoadError
+    from voodoo.ggufio import read_gguf
+    bad = tmp_path / "base-f32.gguf"
+    shutil.copy(tiny_prepared.base_gguf, bad)
+    name = read_gguf(bad).fields["general.name"].contents()
+    assert len(name) >= 4 and "phi" not in name.lower()
+    with open(bad, "r+b") as f:
+        head = f.read(1 << 20)
+        i = head.index(b"general.name") + len(b"general.name") + 4 + 8  # type, length
+        assert head[i:i + len(name)] == name.encode()
+        f.seek(i)
+        f.write(b"Phi3")
+    with pytest.raises(LlamaCppLoadError) as ei:
+        preflight(tiny_hf, bad, tiny_tokens, threads=1)
+    msg = str(ei.value)
+    assert "unordered_map::at" in msg and "'Phi3" in msg and "Rename the model folder" in msg
+    assert "</s>" in msg and "limit of llama.cpp" not in msg, msg
+
+
 def test_an_abort_of_llama_cpp_is_named_as_its_limit(tmp_path, monkeypatch):
     """llama-perplexity dying on one of ggml's asserts (a graph llama.cpp cannot build for
     this configuration: an MoE gating function it does not know, a buffer not set) was

@@ -462,6 +462,11 @@ def preflight(hf_model: torch.nn.Module, f32_gguf: str | os.PathLike, tokens: to
                     "config.json names the setting"
                     + (", here the MoE router's scoring function (`scoring_func`, e.g. "
                        "\"sigmoid\" or \"softmax\")" if "gating_func" in key else ""))
+        hint = _name_rule_hint(f32_gguf, e.reason or "")
+        if hint:
+            raise LlamaCppLoadError(
+                f"llama.cpp {llama_cpp_commit()} cannot load {Path(f32_gguf).name} (llama.cpp "
+                f"says: {e.reason}): {hint}", e.reason, f32_gguf, e.crashed) from None
         raise LlamaCppLoadError(
             f"llama.cpp {llama_cpp_commit()} {what} {Path(f32_gguf).name}, the F32 GGUF "
             f"its own converter wrote for this model (llama.cpp says: {e.reason}). It is a "
@@ -489,6 +494,39 @@ def preflight(hf_model: torch.nn.Module, f32_gguf: str | os.PathLike, tokens: to
             f"chunks longer than it: these are the training length, --seq_len {res['n_ctx']}); "
             "to go on anyway, pass --skip_preflight.", res)
     return res
+
+
+#: Tokens llama.cpp looks up by text for a model whose ``general.name`` contains "phi3" or
+#: "phi-3" (``llama_vocab::impl::load``, src/llama-vocab.cpp: Phi-3's token attributes), and
+#: the name parts that trigger it.
+_PHI3_TOKENS = ("</s>", "<unk>", "<s>", "<|endoftext|>")
+_PHI3_NAMES = ("phi-3", "phi3")
+
+
+def _name_rule_hint(gguf_path, reason: str) -> str | None:
+    """The cause of llama.cpp's vocabulary load failing with ``unordered_map::at`` when it is
+    llama-vocab.cpp's name rule: ``general.name`` (the converter takes it from the model
+    folder's name) contains "phi3"/"phi-3", and the vocabulary lacks one of Phi-3's tokens.
+    None when that is not the case."""
+    if "unordered_map::at" not in reason:
+        return None
+    try:
+        from .ggufio import read_gguf
+        r = read_gguf(gguf_path)
+        name = r.fields["general.name"].contents()
+        tokens = set(r.fields["tokenizer.ggml.tokens"].contents())
+    except Exception:  # noqa: BLE001 -- only a hint
+        return None
+    if not isinstance(name, str) or not any(p in name.lower() for p in _PHI3_NAMES):
+        return None
+    missing = [t for t in _PHI3_TOKENS if t not in tokens]
+    if not missing:
+        return None
+    return (f"its general.name {name!r} (the converter takes it from the model folder's "
+            "name) contains 'phi3' or 'phi-3', so llama.cpp gives the vocabulary Phi-3's token "
+            f"attributes and looks up {', '.join(_PHI3_TOKENS)}; this vocabulary has no "
+            f"{', '.join(missing)} (src/llama-vocab.cpp). Rename the model folder so that its "
+            "name holds neither, and run again")
 
 
 def _transformers_version() -> str:
