@@ -58,6 +58,15 @@ def test_second_model_in_the_same_folder(tiny_fixed, tiny_other, tmp_path):  # n
     assert "partial.pt" in line and "--output_dir" in line and "delete" in line, line
     assert sha256_file(out / "imatrix.gguf") == im1 and sha256_file(journal) == j1
     assert not list(out.glob("tiny-llama-s1.*"))
+    # a model of other shapes (so also another budget): named as another model, not as a
+    # budget that differs
+    from voodoo.models import make_tiny_model
+    wider = make_tiny_model(tiny_fixed.parent / "tiny-llama-3l-s2", seed=2, num_hidden_layers=3)
+    rc, so, se = run_cli(["train", "--model", str(wider), "--output_dir", str(out), *SMALL])
+    line = error_line(rc, se)
+    assert "tiny-llama-s0" in line and "tiny-llama-3l-s2" in line, line
+    assert "budget" not in line, line
+    assert sha256_file(journal) == j1
 
     # the way out taken (journal deleted): M1's imatrix is not reused but rebuilt, and the log
     # says so; the new assignment and journal record model 2

@@ -2208,18 +2208,22 @@ def _train(argv, run_all=False):
     _lock_run_folder(r.out, "run" if run_all else "train")
     r.menus_and_budget()  # an unreachable budget fails before data, imatrix and candidates
     _check_tp_early(r)  # a split that cuts quant blocks too (before precache and Fisher)
-    _check_journal_early(r.out / "train", None if a.ray else r)
+
     # a journal of another model (or Ray checkpoint of other settings) fails now, before data,
-    # imatrix and candidates
+    # imatrix and candidates; another model is named as such before the budget or settings
+    # it also differs in
     def check_state():
         if a.ray:
             r.check_training_state(str(Path(_ray_storage(a, r.out)) / _ray_run_name(a, r.out)),
                                    "Ray Train checkpoint folder", record_it=False)
         else:
             r.check_training_state("train/partial.pt", "training journal", record_it=False)
+    _check_journal_early(r.out / "train")  # a journal that cannot be read: named so first
+    check_state()
+    if not a.ray:
+        _check_journal_early(r.out / "train", r)
     if a.ray:
         _check_ray_checkpoint_early(r)
-    check_state()
     r.data()
     # the train tokens are known now: a journal of other tokens (an edited --data_name text,
     # other data flags) fails before the imatrix, Hessians and candidates are remade for them
