@@ -26,8 +26,8 @@ Resume: a sweep lives in ``storage_path/name`` (a fixed name: Tune cannot contin
 without one, ray #36062) with :data:`SETTINGS_FILE` (what it sweeps, over which ranges, with
 which TrainConfig). Run again with the same settings, :func:`run_sweep` continues it
 (``Tuner.restore`` when ``Tuner.can_restore``) and says so in one line: finished trials keep
-their results and are not rerun, trials cut off resume from their last checkpoint, trials not
-started yet start. A finished sweep is reported again without running anything. Other settings
+their results and are not rerun, trials cut off or failed (a killed trial process, a lost
+node, an exception) resume from their last checkpoint, trials not started yet start. A finished sweep is reported again without running anything. Other settings
 under the same name are refused (use another name). Ctrl-C stops the sweep (Tune saves its
 state) and :func:`run_sweep` raises :class:`SweepInterrupted` (a KeyboardInterrupt) with the
 count of finished trials. Tune saves its experiment state at most every
@@ -191,15 +191,17 @@ def evaluate_assignment(job: StudentJob, gates: Mapping[str, torch.Tensor], budg
 
 
 def _trial(config: dict, *, factory, base_cfg: dict, shared, checkpoint_every: int,
-           report_every: int, tolerance: float, init_logits=None, bake_options=None) -> None:
-    """One Tune trial: train (reporting the proxy objective), bake, report the objective."""
+           report_every: int, tolerance: float, init_logits=None, bake_options=None,
+           step_hook=None) -> None:
+    """One Tune trial: train (reporting the proxy objective), bake, report the objective.
+    ``step_hook``: as in :func:`cluster.train.run_training` (failure tests)."""
     from ray import tune
     cfg = TrainConfig.from_dict(dict(base_cfg))
     cfg = dataclasses.replace(cfg, **{k: config[k] for k in ("size_weight", "size_tolerance",
                                                              "lr") if k in config})
     loop_cfg = {"factory": factory, "cfg": cfg.to_dict(), "shared": shared,
                 "checkpoint_every": checkpoint_every, "report_every": report_every,
-                "report_objective": True, "init_logits": init_logits}
+                "report_objective": True, "init_logits": init_logits, "step_hook": step_hook}
     try:
         out = run_loop(loop_cfg, TuneBackend())
     except StopIteration as e:  # escaping a trial, Tune reads it as the function's normal end
@@ -241,7 +243,7 @@ def run_sweep(factory: Callable[[WorkerInfo], StudentJob], cfg: TrainConfig, *,
               checkpoint_every: int | None = None, report_every: int = 1,
               tolerance: float = DEFAULT_TOLERANCE, seed: int = 0,
               print_table: bool = True, init_logits: dict | None = None,
-              bake_options: dict | None = None) -> dict:
+              bake_options: dict | None = None, step_hook: Callable | None = None) -> dict:
     """Sweeps ``size_weight`` (log-uniform over the range), ``size_tolerance`` (uniform) and,
     when ``lr`` is given, ``lr`` (log-uniform); minimises :data:`OBJECTIVE`.
 
@@ -257,6 +259,11 @@ def run_sweep(factory: Callable[[WorkerInfo], StudentJob], cfg: TrainConfig, *,
     starting gates (needed for ``cfg.gate_init == "fisher"``). ``bake_options``: keyword
     arguments of :func:`voodoo.bake.bake` for the bake that every finished trial's objective
     scores (:func:`evaluate_assignment`), e.g. the run's fill costs and ``--match_size`` ceiling.
+    ``step_hook``: passed to every trial's training loop (failure tests).
+
+    A trial that failed (its process killed, a node lost, an exception) is kept on storage with
+    its checkpoints; the same call again retries it from its last checkpoint (Tune's
+    ``resume_errored``) and reports the sweep only once no trial is left failed or unfinished.
 
     Returns ``{"config": best param dict, "objective", "kl", "total_bytes", "budget_bytes",
     "trial_id", "checkpoint": the best trial's last checkpoint folder (its trained gates in
@@ -295,7 +302,7 @@ def run_sweep(factory: Callable[[WorkerInfo], StudentJob], cfg: TrainConfig, *,
     trainable = tune.with_parameters(
         _trial, factory=factory, base_cfg=cfg.to_dict(), shared=ref,
         checkpoint_every=ckpt_every, report_every=report_every, tolerance=tolerance,
-        init_logits=init_logits, bake_options=bake_options)
+        init_logits=init_logits, bake_options=bake_options, step_hook=step_hook)
     trainable = tune.with_resources(trainable, {"cpu": cpus_per_trial, "gpu": gpus_per_trial})
     storage = os.path.abspath(os.path.expanduser(str(storage_path or "~/ray_results")))
     path = os.path.join(storage, name)
@@ -304,16 +311,23 @@ def run_sweep(factory: Callable[[WorkerInfo], StudentJob], cfg: TrainConfig, *,
     restored = tune.Tuner.can_restore(path)
     if restored:
         _check_settings(path, name, settings)
+        # failed trials (a killed process, a lost node) are retried from their last
+        # checkpoint: a sweep whose trial died is never stuck (a new user's killed trial made
+        # every later call report "no trial finished" without running anything)
         tuner = tune.Tuner.restore(path, trainable, resume_unfinished=True,
-                                   resume_errored=False, restart_errored=False)
-        done, total = _progress(tuner.get_results(), num_samples)
-        if done >= total:
-            print(f"sweep {name} ({path}) is finished ({done} of {total} trials); reporting its "
+                                   resume_errored=True, restart_errored=False)
+        st = _trial_status(tuner.get_results())
+        kept, failed = st.count("TERMINATED"), st.count("ERROR")
+        total = max(int(num_samples), len(st))
+        if kept >= total:
+            print(f"sweep {name} ({path}) is finished ({kept} of {total} trials); reporting its "
                   f"results without running anything")
             grid = tuner.get_results()
         else:
-            print(f"resuming sweep {name} ({path}): {done} of {total} trials finished and kept, "
-                  f"{total - done} to run")
+            retry = (f", {failed} failed to retry from {'its' if failed == 1 else 'their'} "
+                     "last checkpoint" if failed else "")
+            print(f"resuming sweep {name} ({path}): {kept} of {total} trials finished and kept"
+                  f"{retry}, {total - kept - failed} to run")
             grid = _fit(tuner)
     else:
         os.makedirs(path, exist_ok=True)
@@ -352,11 +366,18 @@ def run_sweep(factory: Callable[[WorkerInfo], StudentJob], cfg: TrainConfig, *,
                 failed.setdefault(r["error"], []).append(str(r["trial_id"]))
         why = "".join(f"; {len(v)} trial{'s' * (len(v) > 1)} failed: {k} ({', '.join(v)})"
                       for k, v in failed.items())
+        again = ("; the same command again retries the failed trials from their last "
+                 "checkpoint" if failed else "")
         raise RuntimeError(f"no trial of sweep {name} finished with a size within the budget"
-                           f"{why or '; see the table above'}")
+                           f"{why or '; see the table above'}{again}")
     # ties (trials baking the same assignment) go to the lowest trial id, so a resumed or
     # re-reported sweep names the same best trial
     best = min(done, key=lambda r: (r[OBJECTIVE], str(r["trial_id"])))
+    n_failed = sum(bool(r["error"]) for r in rows)
+    if n_failed and print_table:
+        print(f"{n_failed} trial{'s' * (n_failed > 1)} failed (the table's error rows); the "
+              "same command again retries them from their last checkpoint and reports the "
+              "sweep anew")
     if print_table:
         print(f"best: trial {best['trial_id']} objective {best[OBJECTIVE]:.6g} nats, "
               f"config {{{', '.join(f'{k}: {best[k]:.6g}' for k in space)}}}")

@@ -15,7 +15,7 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from ray_session import local_ray  # noqa: E402
-from cluster.toy import TinyLlamaFactory  # noqa: E402
+from cluster.toy import KillOnce, TinyLlamaFactory  # noqa: E402
 from cluster.train import WorkerInfo  # noqa: E402
 from cluster.tune import (FAIL_OBJECTIVE, OBJECTIVE, SweepInterrupted,  # noqa: E402
                           evaluate_assignment, run_sweep)
@@ -242,3 +242,31 @@ def test_a_sweep_whose_trials_fail_says_why(tmp_path, ray_up, capsys):
     assert "no trial of sweep failing" in msg and "2 trials failed" in msg, msg
     assert "99" in msg, msg   # the trials' own reason, not Ray's
     assert out.count("error") >= 2, out
+
+
+def test_a_killed_trial_is_retried_from_its_checkpoint_by_the_same_call(tmp_path, ray_up,
+                                                                        capsys):
+    """A trial whose process dies (here ``os._exit(1)`` after step 3, its checkpoint at step 2
+    on storage) fails the sweep; the same call again resumes that trial from step 2, and the
+    sweep finishes and reports. Before, Tune restored the failed trial as done: every later
+    call said "is finished ... without running anything" and "no trial finished" (a new
+    user's ``voodoo tune`` with a trial killed could never be resumed or exported)."""
+    f = TinyLlamaFactory()
+    cfg = dataclasses.replace(CFG, max_steps=4, partial_save_interval=2)
+    steps = tmp_path / "steps"
+    hook = KillOnce(marker=str(tmp_path / "killed"), at_step=3, steps_log=str(steps))
+    kw = dict(num_samples=1, name="dies", storage_path=tmp_path / "ray", shared=f.make_shared(),
+              cpus_per_trial=0.5, max_concurrent_trials=1, seed=0, step_hook=hook)
+    with pytest.raises(RuntimeError) as ei:
+        run_sweep(f, cfg, **kw)
+    assert "1 trial failed" in str(ei.value), str(ei.value)
+    assert "the same command again retries the failed trials" in str(ei.value)
+    assert (tmp_path / "killed").is_file()
+    assert steps.read_text().split() == ["1", "2", "3"]
+    capsys.readouterr()
+    best = run_sweep(f, cfg, **kw)
+    out = capsys.readouterr().out
+    assert "0 of 1 trials finished and kept, 1 failed to retry from its last checkpoint" in out
+    assert best["resumed"] and len(best["results"]) == 1 and best["results"][0]["finished"]
+    assert math.isfinite(best["kl"])
+    assert steps.read_text().split() == ["1", "2", "3", "3", "4"]  # resumed after step 2
