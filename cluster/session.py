@@ -90,7 +90,13 @@ def ensure_ray(**init_kwargs) -> bool:
     main = threading.current_thread() is threading.main_thread()
     before = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGHUP)} \
         if main else {}
-    ray.init(**init_kwargs)
+    try:
+        ray.init(**init_kwargs)
+    except Exception as e:  # noqa: BLE001 -- re-raised, with the likely cause where known
+        hint = auth_hint()
+        if hint is None:
+            raise
+        raise ConnectionError(f"{str(e).strip() or type(e).__name__}; {hint}") from e
     # ray.init leaves C-level handlers of Ray's core worker on SIGTERM in the driver (a stack
     # dump, then abort: exit 134, no journal saved); the handlers Python had are put back
     for sig, h in before.items():
@@ -110,6 +116,20 @@ def ensure_ray(**init_kwargs) -> bool:
                 [os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                  *([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])])})
     return True
+
+
+def auth_hint() -> str | None:
+    """Why joining the cluster at ``RAY_ADDRESS`` may have failed when the client does not use
+    token authentication (``RAY_AUTH_MODE`` unset): a head started with ``ray start --head``
+    (Ray 2.60) requires it, and turns an unauthenticated client away with retries that end in
+    "Failed to connect" or "ray client connection timeout", never naming the token. None
+    without a ``RAY_ADDRESS`` (a local Ray) or with ``RAY_AUTH_MODE=token``."""
+    addr = os.environ.get("RAY_ADDRESS", "").strip()
+    if not addr or addr == "local" or os.environ.get("RAY_AUTH_MODE", "").lower() == "token":
+        return None
+    return (f"if the cluster at RAY_ADDRESS={addr} uses token authentication (a head started "
+            "with `ray start --head` does), set RAY_AUTH_MODE=token, with the head's token in "
+            "~/.ray/auth_token or RAY_AUTH_TOKEN")
 
 
 def check_address() -> None:

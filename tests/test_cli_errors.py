@@ -494,7 +494,9 @@ def test_export_uses_the_assignments_folder_and_refuses_another_imatrix(
     monkeypatch.chdir(elsewhere)
     rc, stdout, err = run_cli(["export", "--assignment", str(asg), "--imatrix_blocks", "2"])
     assert rc == 0, err[-3000:]
-    assert (out / asg.name.replace(".assignment.json", ".gguf")).is_file(), stdout
+    g = out / asg.name.replace(".assignment.json", ".gguf")
+    assert g.is_file(), stdout
+    assert f"wrote {g} ({g.stat().st_size / 2**20:.1f} MiB)" in stdout, stdout  # as the skill says
     assert not (elsewhere / "runs").exists()
     assert (out / "imatrix.gguf").read_bytes() == imatrix        # neither rebuilt nor replaced
     # another --output_dir: the assignment's own folder still holds its imatrix, which is taken
@@ -1480,3 +1482,35 @@ def test_a_compressed_eval_text_is_named_as_compressed(tmp_path):
     with pytest.raises(UsageError, match=r"wiki.test.raw.gz is a gzip-compressed file, not "
                                          r"text; decompress it first \(`gunzip -k "):
         _check_eval_text_tokens(SimpleNamespace(eval_text=str(f), ctx=512, chunks=8), None)
+
+
+def test_ray_runs_sharing_a_run_folder_or_an_unwritable_storage_path(tiny_fixed, tmp_path):  # noqa: F811,E501
+    """``--ray`` with a --storage_path and --run_name that another command is training in (its
+    --output_dir another): refused before any work, naming the holder and --run_name (a new
+    user's second job failed mid-run, the first's pruning having deleted its checkpoint
+    files). A --storage_path under a file: refused before any work (it failed at Ray's start
+    with a traceback)."""
+    from voodoo.cli import _lock_run_folder, _release_run_folders
+    storage = tmp_path / "shared_ray"
+    (storage / "same").mkdir(parents=True)
+    _lock_run_folder(storage / "same", "train --ray")   # the other job, here
+    try:
+        out = tmp_path / "second"
+        rc, _, err = run_cli(["train", "--model", str(tiny_fixed), "--output_dir", str(out),
+                              "--ray", "--storage_path", str(storage), "--run_name", "same",
+                              *SMALL[:-3], "--max_steps", "2"])
+        line = error_line(rc, err)
+        assert "is in use by another Voodoo run (voodoo train --ray, pid" in line, line
+        assert "pass another --run_name" in line, line
+        assert not (out / "data").exists()
+    finally:
+        _release_run_folders()
+    (tmp_path / "afile").write_text("x")
+    for cmd in ("train", "tune"):
+        out = tmp_path / f"bad-{cmd}"
+        argv = [cmd, "--model", str(tiny_fixed), "--output_dir", str(out), "--storage_path",
+                str(tmp_path / "afile" / "ray"), *SMALL[:-3], "--max_steps", "2"]
+        rc, _, err = run_cli(argv + (["--ray"] if cmd == "train" else []))
+        line = error_line(rc, err, cmd)
+        assert "--storage_path" in line and "afile is a file, not a folder" in line, line
+        assert not (out / "data").exists()

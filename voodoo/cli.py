@@ -870,6 +870,16 @@ def _check_workers_fit_here(a) -> None:
         a.tensor_parallel * (a.data_parallel or 1)
     if nw <= 0:
         return
+    tp = int(a.tensor_parallel or 1)
+    if nw % tp:
+        raise UsageError(f"--num_workers {nw} is not a multiple of --tensor_parallel {tp}")
+    dp, bs = nw // tp, int(getattr(a, "batch_size", 1) or 1)
+    if bs % dp:  # pure arithmetic: the workers found it only after every preparation stage
+        raise UsageError(
+            f"--batch_size {bs} does not divide over {dp} data-parallel workers (--num_workers "
+            f"{nw}{f' / tensor parallel {tp}' if tp > 1 else ''}): each takes an equal share "
+            f"of a step's blocks; give --batch_size {dp * -(-bs // dp)} (or --num_workers "
+            f"{tp * math.gcd(bs, dp)})")
     from cluster.session import check_feasible_here
     gpu = a.use_gpu or str(getattr(a, "device", "")).startswith("cuda")
     try:
@@ -1044,7 +1054,32 @@ def _check_not_in_ray_job_copy(d: Path, flag: str = "--output_dir") -> None:
                          "the cluster has several nodes)")
 
 
-def _lock_run_folder(out: Path, command: str) -> None:
+def _lock_ray_folder(a, out: Path, name: str, command: str, flag: str) -> None:
+    """``--ray`` training and sweeps: the Ray run (or sweep) folder ``<storage>/<name>`` gets the
+    lock of :func:`_lock_run_folder` too, since two commands with one ``--storage_path`` and
+    ``--run_name`` (``flag``) but different ``--output_dir`` would write and prune one
+    checkpoint folder (a new user's second job failed mid-run: "checkpoint_000040 lacks
+    state.pt"). A storage path that cannot hold the folder (a file in the way, no permission)
+    is refused now, before data, imatrix and candidates (it failed at Ray's start with a
+    traceback). Raises UsageError."""
+    storage = Path(_ray_storage(a, out))
+    where = f"--storage_path {a.storage_path}" if a.storage_path else f"the Ray folder {storage}"
+    from .fsutil import file_in_the_way
+    bad = file_in_the_way(storage / name)
+    if bad is not None:
+        raise UsageError(f"{where}: {bad} is a file, not a folder: give a folder path")
+    try:
+        (storage / name).mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"{where}: cannot create {storage / name} ({e.strerror or e}): give a "
+                         "folder this user can write (shared storage on a multi-node "
+                         "cluster)") from None
+    _lock_run_folder(storage / name, command,
+                     fix=f"pass another {flag}" + ("" if a.storage_path else
+                                                    " or --output_dir"))
+
+
+def _lock_run_folder(out: Path, command: str, fix: str = "pass another --output_dir") -> None:
     """One training command at a time per run folder: an exclusive ``fcntl`` lock on
     ``<out>/.voodoo.lock``, held until the command ends (:func:`main` releases it; the kernel drops
     it if the process dies, even on SIGKILL). Two runs in one folder share its journal, imatrix and
@@ -1059,7 +1094,7 @@ def _lock_run_folder(out: Path, command: str) -> None:
         holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
         os.close(fd)
         raise UsageError(f"{out} is in use by another Voodoo run ({holder}); wait for it to "
-                         "finish, or pass another --output_dir") from None
+                         f"finish, or {fix}") from None
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"voodoo {command}, pid {os.getpid()} on {os.uname().nodename}".encode(), 0)
     _RUN_LOCKS.append((fd, path))  # locked until the command ends (main releases it)
@@ -2206,6 +2241,8 @@ def _train(argv, run_all=False):
         readable_text(r.ctx.prepared.base_gguf, eval_text)
     _check_upgrade_patterns(rules, [s.gguf_name for s in r.ctx.specs])
     _lock_run_folder(r.out, "run" if run_all else "train")
+    if a.ray:
+        _lock_ray_folder(a, r.out, _ray_run_name(a, r.out), "train --ray", "--run_name")
     r.menus_and_budget()  # an unreachable budget fails before data, imatrix and candidates
     _check_tp_early(r)  # a split that cuts quant blocks too (before precache and Fisher)
 
@@ -2557,7 +2594,7 @@ def _export(argv):
             Path(a.assignment).name.removesuffix(".assignment.json").removesuffix(".json"))
     p = export(r.ctx, asg, keys, r.cache, r.out / f"{stem}.gguf",
                extra_kv=_provenance(a, asg, r.ctx.prepared, r.ctx.specs))
-    print(f"wrote {p}")
+    print(f"wrote {p} ({Path(p).stat().st_size / 2**20:.1f} MiB)")
     _print_recipe(p, r.ctx.prepared.base_gguf, getattr(r, "imatrix_path", None))
     return 0
 
@@ -2866,6 +2903,7 @@ def _tune(argv):
     r.context()
     _default_rounding(a, r.ctx.specs)
     _lock_run_folder(r.out, "tune")
+    _lock_ray_folder(a, r.out, _sweep_name(a, r.out), "tune", "--sweep_name")
     _check_upgrade_patterns(rules, [s.gguf_name for s in r.ctx.specs])
     r.menus_and_budget()
     r.data()

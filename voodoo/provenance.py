@@ -118,10 +118,12 @@ def forget(out_dir, artifact: str) -> None:
 
 def check(out_dir, artifact: str, inputs: Mapping[str, Any]) -> list[str] | None:
     """Compares an existing artifact's record with ``inputs``. Returns None when the artifact
-    does not exist; ``[]`` when its record matches; else the keys that differ (``["origin
-    unknown"]`` when it has no record: made by a Voodoo before provenance, or copied in)."""
-    if not (Path(out_dir) / artifact).exists():
-        return None
+    does not exist (or is a folder empty but for a ``.voodoo.lock``); ``[]`` when its record
+    matches; else the keys that differ (``["origin unknown"]`` when it has no record: made by
+    a Voodoo before provenance, or copied in)."""
+    p = Path(out_dir) / artifact
+    if not p.exists() or (p.is_dir() and all(c.name == ".voodoo.lock" for c in p.iterdir())):
+        return None  # a folder holding nothing but a run's lock (a Ray run folder) is not made
     rec = recorded(out_dir, artifact)
     if rec is None:
         return ["origin unknown"]

@@ -80,6 +80,16 @@ def test_ray_job_submit_local_head(tmp_path):
         assert out.returncode == 0, text[-3000:]
         assert "VOODOO_TRAIN_RESULT" in text and '"finished": true' in text, text[-3000:]
         assert (tmp_path / "runs" / "job-test").is_dir()
+        # a driver joining that cluster by RAY_ADDRESS without the token: Ray retries for about
+        # 20 s and says "Failed to connect"; Voodoo's error names the token (a new user's case)
+        env = {k: v for k, v in os.environ.items() if k != "RAY_AUTH_MODE"}
+        env["RAY_ADDRESS"] = f"127.0.0.1:{port}"
+        out = subprocess.run([sys.executable, "-c", "from cluster.session import ensure_ray\n"
+                              "try:\n    ensure_ray()\nexcept ConnectionError as e:\n"
+                              "    print('ERR', e)"], capture_output=True, text=True,
+                             timeout=180, env=env, cwd=str(Path(__file__).parents[2]))
+        assert "ERR " in out.stdout and "set RAY_AUTH_MODE=token" in out.stdout, \
+            (out.stdout + out.stderr)[-3000:]
     finally:
         try:
             os.killpg(head.pid, signal.SIGTERM)
