@@ -452,9 +452,10 @@ def _forget_pruned_in_ray_snapshot(run_dir) -> str | None:
         return None
     aside = p.with_name(p.name + ".pruned")
     os.replace(p, aside)
-    print(f"[voodoo train] Ray Train's checkpoint record names {len(gone)} pruned checkpoint(s) "
-          f"({gone[0]}...): set aside as {aside.name}; resuming from the newest complete "
-          f"checkpoint in {p.parent}", file=sys.stderr, flush=True)
+    print(f"[voodoo train] resuming from the newest complete checkpoint in {p.parent} (Ray "
+          f"Train's own record, which still lists the {len(gone)} older checkpoint(s) Voodoo "
+          f"pruned as usual, set aside as {aside.name}: nothing is lost)", file=sys.stderr,
+          flush=True)
     return str(aside)
 
 
