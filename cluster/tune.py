@@ -27,8 +27,9 @@ without one, ray #36062) with :data:`SETTINGS_FILE` (what it sweeps, over which 
 which TrainConfig). Run again with the same settings, :func:`run_sweep` continues it
 (``Tuner.restore`` when ``Tuner.can_restore``) and says so in one line: finished trials keep
 their results and are not rerun, trials cut off or failed (a killed trial process, a lost
-node, an exception) resume from their last checkpoint, trials not started yet start. A finished sweep is reported again without running anything. Other settings
-under the same name are refused (use another name). Ctrl-C stops the sweep (Tune saves its
+node, an exception) resume from their last checkpoint, trials not started yet start. A
+finished sweep is reported again without running anything. Other settings under the same name
+are refused (use another name). Ctrl-C stops the sweep (Tune saves its
 state) and :func:`run_sweep` raises :class:`SweepInterrupted` (a KeyboardInterrupt) with the
 count of finished trials. Tune saves its experiment state at most every
 ``TUNE_GLOBAL_CHECKPOINT_S`` seconds (set to 2 here unless set): after a SIGKILL of the driver a
