@@ -422,7 +422,24 @@ def _settings(cfg, num_samples, size_weight, size_tolerance, lr, use_optuna, see
         "train_config": cfg.to_dict()}, default=str))
 
 
-def _check_settings(path: str, name: str, settings: dict) -> None:
+def check_sweep_early(storage_path, name: str, cfg: TrainConfig, num_samples: int,
+                      size_weight, size_tolerance, lr=None, seed: int = 0) -> None:
+    """The settings a caller knows before any expensive stage (the TrainConfig, the sample
+    count, the ranges, the seed) compared with a sweep already in ``storage_path/name``: one
+    started with others raises the ValueError of :func:`run_sweep` now, not after the Fisher
+    prior and the activation-rounding pricing (a new user's rerun with another --max_steps).
+    Nothing happens when no such sweep exists."""
+    path = os.path.join(os.path.abspath(os.path.expanduser(str(storage_path or
+                                                                "~/ray_results"))), name)
+    if not os.path.isfile(os.path.join(path, SETTINGS_FILE)):
+        return
+    full = _settings(cfg, num_samples, size_weight, size_tolerance, lr, None, seed, None,
+                     None, None, None, None)
+    keys = ("num_samples", "size_weight", "size_tolerance", "lr", "seed", "train_config")
+    _check_settings(path, name, {k: full[k] for k in keys}, only=keys)
+
+
+def _check_settings(path: str, name: str, settings: dict, only=None) -> None:
     f = os.path.join(path, SETTINGS_FILE)
     try:
         with open(f) as fh:
@@ -430,6 +447,8 @@ def _check_settings(path: str, name: str, settings: dict) -> None:
     except (OSError, ValueError):
         raise ValueError(f"{path} holds a Tune sweep that Voodoo did not start (no readable "
                          f"{SETTINGS_FILE}); use another sweep name or remove the folder") from None
+    if only is not None:
+        saved = {k: saved.get(k) for k in only}
     diff = sorted(k for k in set(saved) | set(settings) if saved.get(k) != settings.get(k))
     if "train_config" in diff:
         a, b = saved.get("train_config") or {}, settings["train_config"]

@@ -2910,6 +2910,10 @@ def _tune(argv):
     r.imatrix()
     r.candidates()
     cfg = r.train_config()
+    from cluster.tune import check_sweep_early
+    check_sweep_early(_ray_storage(a, r.out), _sweep_name(a, r.out), cfg, a.num_samples,
+                      tuple(a.size_weight_range), tuple(a.size_tolerance_range),
+                      tuple(a.lr_range) if a.lr_range else None, a.seed)
     init = None
     if cfg.gate_init == "fisher":
         from .pipeline import build_teacher

@@ -155,6 +155,14 @@ def test_interrupted_sweep_resumes_without_rerunning_finished_trials(tmp_path, r
     assert again["trial_id"] == best["trial_id"] and again["objective"] == best["objective"]
     with pytest.raises(ValueError, match="other settings.*num_samples"):
         run_sweep(f, cfg, **{**kw, "num_samples": 4})
+    # the same check, before any expensive stage (voodoo tune calls it before the Fisher prior)
+    from cluster.tune import check_sweep_early
+    ranges = ((1.0, 1000.0), (0.001, 0.02))
+    check_sweep_early(tmp_path / "ray", "resume", cfg, 3, *ranges, None, 0)   # the same: passes
+    check_sweep_early(tmp_path / "ray", "no-such-sweep", cfg, 5, *ranges, None, 0)
+    with pytest.raises(ValueError, match="other settings.*train_config.max_steps"):
+        check_sweep_early(tmp_path / "ray", "resume", dataclasses.replace(cfg, max_steps=5), 3,
+                          *ranges, None, 0)
 
 
 SWEEP_SCRIPT = """
