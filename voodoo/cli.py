@@ -1452,7 +1452,7 @@ class Run:
             kld = "below 1e-05"
         log(f"pre-flight: llama.cpp on {base.name} vs transformers: KLD {kld} "
             f"nats/token, same top-1 {rec['same_top_p']} on {rec['n_tokens']} positions "
-            f"({n_chunk} x {n_ctx} tokens, the training length)")
+            f"({res.get('n_chunk', n_chunk)} x {n_ctx} tokens, the training length)")
         write_json(path, rec)
         return rec
 
