@@ -130,8 +130,8 @@ def test_output_dir_that_is_a_file(tiny_fixed, tmp_path):  # noqa: F811
     # every preparation stage)
     (["--ray", "--num_workers", "2", "--batch_size", "1"],
      ["--batch_size 1 does not divide over 2 data-parallel workers", "--batch_size 2"]),
-    (["--ray", "--num_workers", "3", "--tensor_parallel", "2"],
-     ["--num_workers 3 is not a multiple of --tensor_parallel 2"]),
+    (["--ray", "--num_workers", "2", "--tensor_parallel", "3"],
+     ["--num_workers 2 is not a multiple of --tensor_parallel 3"]),
 ])
 def test_train_refuses_conflicting_or_missing_inputs_first(tiny_fixed, tmp_path, flags,
                                                            words):  # noqa: F811

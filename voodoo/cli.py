@@ -870,16 +870,6 @@ def _check_workers_fit_here(a) -> None:
         a.tensor_parallel * (a.data_parallel or 1)
     if nw <= 0:
         return
-    tp = int(a.tensor_parallel or 1)
-    if nw % tp:
-        raise UsageError(f"--num_workers {nw} is not a multiple of --tensor_parallel {tp}")
-    dp, bs = nw // tp, int(getattr(a, "batch_size", 1) or 1)
-    if bs % dp:  # pure arithmetic: the workers found it only after every preparation stage
-        raise UsageError(
-            f"--batch_size {bs} does not divide over {dp} data-parallel workers (--num_workers "
-            f"{nw}{f' / tensor parallel {tp}' if tp > 1 else ''}): each takes an equal share "
-            f"of a step's blocks; give --batch_size {dp * -(-bs // dp)} (or --num_workers "
-            f"{tp * math.gcd(bs, dp)})")
     from cluster.session import check_feasible_here
     gpu = a.use_gpu or str(getattr(a, "device", "")).startswith("cuda")
     try:
@@ -891,6 +881,16 @@ def _check_workers_fit_here(a) -> None:
                                       "--cpus_per_worker")
     except ValueError as e:
         raise UsageError(str(e)) from None
+    tp = int(a.tensor_parallel or 1)
+    if nw % tp:
+        raise UsageError(f"--num_workers {nw} is not a multiple of --tensor_parallel {tp}")
+    dp, bs = nw // tp, int(getattr(a, "batch_size", 1) or 1)
+    if bs % dp:  # pure arithmetic: the workers found it only after every preparation stage
+        raise UsageError(
+            f"--batch_size {bs} does not divide over {dp} data-parallel workers (--num_workers "
+            f"{nw}{f' / tensor parallel {tp}' if tp > 1 else ''}): each takes an equal share "
+            f"of a step's blocks; give --batch_size {dp * -(-bs // dp)} (or --num_workers "
+            f"{tp * math.gcd(bs, dp)})")
 
 
 def _ray_run_name(a, out: Path) -> str:
