@@ -305,8 +305,7 @@ def run_sweep(factory: Callable[[WorkerInfo], StudentJob], cfg: TrainConfig, *,
         checkpoint_every=ckpt_every, report_every=report_every, tolerance=tolerance,
         init_logits=init_logits, bake_options=bake_options, step_hook=step_hook)
     trainable = tune.with_resources(trainable, {"cpu": cpus_per_trial, "gpu": gpus_per_trial})
-    storage = os.path.abspath(os.path.expanduser(str(storage_path or "~/ray_results")))
-    path = os.path.join(storage, name)
+    storage, path = _sweep_path(storage_path, name)
     settings = _settings(cfg, num_samples, size_weight, size_tolerance, lr, use_optuna, seed,
                          tolerance, grace_period, reduction_factor, ckpt_every, report_every)
     restored = tune.Tuner.can_restore(path)
@@ -422,6 +421,13 @@ def _settings(cfg, num_samples, size_weight, size_tolerance, lr, use_optuna, see
         "train_config": cfg.to_dict()}, default=str))
 
 
+def _sweep_path(storage_path, name: str) -> tuple[str, str]:
+    """``(storage, storage/name)``: the absolute storage folder (default ``~/ray_results``) and
+    the sweep's folder in it."""
+    storage = os.path.abspath(os.path.expanduser(str(storage_path or "~/ray_results")))
+    return storage, os.path.join(storage, name)
+
+
 def check_sweep_early(storage_path, name: str, cfg: TrainConfig, num_samples: int,
                       size_weight, size_tolerance, lr=None, seed: int = 0) -> None:
     """The settings a caller knows before any expensive stage (the TrainConfig, the sample
@@ -429,8 +435,7 @@ def check_sweep_early(storage_path, name: str, cfg: TrainConfig, num_samples: in
     started with others raises the ValueError of :func:`run_sweep` now, not after the Fisher
     prior and the activation-rounding pricing (a new user's rerun with another --max_steps).
     Nothing happens when no such sweep exists."""
-    path = os.path.join(os.path.abspath(os.path.expanduser(str(storage_path or
-                                                                "~/ray_results"))), name)
+    path = _sweep_path(storage_path, name)[1]
     if not os.path.isfile(os.path.join(path, SETTINGS_FILE)):
         return
     full = _settings(cfg, num_samples, size_weight, size_tolerance, lr, None, seed, None,
