@@ -2255,10 +2255,7 @@ def _train(argv, run_all=False):
                                    "Ray Train checkpoint folder", record_it=False)
         else:
             r.check_training_state("train/partial.pt", "training journal", record_it=False)
-    _check_journal_early(r.out / "train")  # a journal that cannot be read: named so first
-    check_state()
-    if not a.ray:
-        _check_journal_early(r.out / "train", r)
+    _check_journal_early(r.out / "train", None if a.ray else r, check_state)
     if a.ray:
         _check_ray_checkpoint_early(r)
     r.data()
@@ -2323,17 +2320,19 @@ def _check_tp_early(r) -> None:
                          f"tp --nproc {works}){drop}")
 
 
-def _check_journal_early(train_dir: Path, r=None) -> None:
+def _check_journal_early(train_dir: Path, r=None, check_state=None) -> None:
     """A training journal that cannot be read fails now, before the expensive stages (the file
-    is kept; :class:`voodoo.train.CorruptJournalError` says what to do); so does, given the run
-    ``r`` (budget known, in-process training), one of a run with another budget or training
-    config (e.g. a finished Voodoo55 journal in the folder of a new Voodoo45 run)."""
+    is kept; :class:`voodoo.train.CorruptJournalError` says what to do); then ``check_state()``
+    runs (the journal's model and inputs, named first); then, given the run ``r`` (budget
+    known, in-process training), one of a run with another budget or training config fails
+    (e.g. a finished Voodoo55 journal in the folder of a new Voodoo45 run)."""
     from .train import JOURNAL_NAME, _load_journal, check_journal_fits
     j = train_dir / JOURNAL_NAME
-    if j.exists():
-        st = _load_journal(j)
-        if r is not None and getattr(r, "budget", None) is not None:
-            check_journal_fits(j, r.train_config(), r.budget, st)
+    st = _load_journal(j) if j.exists() else None
+    if check_state is not None:
+        check_state()
+    if st is not None and r is not None and getattr(r, "budget", None) is not None:
+        check_journal_fits(j, r.train_config(), r.budget, st)
 
 
 def _check_ray_checkpoint_early(r) -> None:
