@@ -289,3 +289,63 @@ def _preflight_message(e, tmp_path, monkeypatch) -> str:
     with pytest.raises(A.LlamaCppLoadError) as ei:
         A.preflight(None, tmp_path / "base-f32.gguf", None)
     return str(ei.value)
+
+
+# ------------------------------------------------------------------------ the tokenizers
+_TEXT = ("Hello world, the 1234 quick brown foxes (est. 1999) jumped 3.5 m.\n  Indented   "
+         "spaces\tand a tab. Émile's naïve café, 日本語, \U0001F642 and <|im_start|>user\n\n"
+         "\"Quoted\" -- dashes; semi: colons! 100,000 people @ 9:30pm. ") * 4
+
+
+def _with_pre(src, dst, new: bytes):
+    """A copy of the GGUF ``src`` whose tokenizer.ggml.pre value is overwritten in place with
+    ``new`` (same length)."""
+    import shutil
+
+    from voodoo.ggufio import read_gguf
+    old = read_gguf(src).fields["tokenizer.ggml.pre"].contents().encode()
+    assert len(old) == len(new), (old, new)
+    shutil.copy(src, dst)
+    with open(dst, "r+b") as f:
+        head = f.read(1 << 20)
+        i = head.index(b"tokenizer.ggml.pre") + len(b"tokenizer.ggml.pre") + 4 + 8
+        assert head[i:i + len(old)] == old
+        f.seek(i)
+        f.write(new)
+    return dst
+
+
+def test_llama_cpps_tokenizer_is_compared_with_transformers(tiny_prepared, smol_tokenizer,
+                                                           tmp_path):
+    """llama-tokenize on the converter's GGUF cuts text (digits, whitespace runs, accents, CJK,
+    an emoji, a special token's text) into transformers' ids; the same GGUF with another
+    pre-tokenizer (falcon's regex instead of smollm's) is reported, with where and how many."""
+    from voodoo.agreement import (calibration_text, llama_tokenize, tokenizer_agreement,
+                                  tokenizer_warning)
+    from voodoo.llamacpp import LlamaCppNotBuilt, tool_path
+    try:
+        tool_path("llama-tokenize")
+    except LlamaCppNotBuilt as e:
+        pytest.skip(str(e))
+    base = tiny_prepared.base_gguf
+    ids = smol_tokenizer(_TEXT, add_special_tokens=False).input_ids
+    assert llama_tokenize(base, _TEXT) == ids
+    res = tokenizer_agreement(base, smol_tokenizer, _TEXT)
+    assert res["same"] and res["n_differ"] == 0 and res["first_diff"] is None, res
+    assert res["n_llama"] == len(ids) and res["pre"] == "smollm"
+    assert tokenizer_warning(res, "x") is None
+    # the text the run compares: calibration ids decoded, cut at whitespace, special tokens out
+    text = calibration_text(smol_tokenizer, torch.tensor([ids * 40]), n_chars=1000)
+    assert 500 < len(text) <= 1000 and text[-1] != " " and "<|im_start|>" not in text
+    bad = _with_pre(base, tmp_path / "falcon.gguf", b"falcon")
+    res = tokenizer_agreement(bad, smol_tokenizer, _TEXT)
+    assert not res["same"] and res["n_differ"] > 10 and res["pre"] == "falcon", res
+    assert res["n_llama"] != res["n_transformers"]
+    i = res["first_diff"]
+    assert ids[:i] == llama_tokenize(bad, _TEXT)[:i] and len(res["context"]["llama.cpp"]) > 0
+    warn = tokenizer_warning(res, "falcon.gguf")
+    assert "tokenizer.ggml.pre='falcon'" in warn and f"{res['n_differ']} of them" in warn
+    # a pre-tokenizer llama.cpp does not know: its own message, quoted
+    from voodoo.evaluate import PerplexityError
+    with pytest.raises(PerplexityError, match="unknown pre-tokenizer type"):
+        llama_tokenize(_with_pre(base, tmp_path / "bogus.gguf", b"bogus!"), _TEXT)

@@ -107,6 +107,10 @@ def test_run_writes_every_stage(tiny_run):
     pre = json.loads((out / "preflight.json").read_text())
     assert pre["ok"] and pre["kld_mean"] < 1e-3 and pre["same_top_p"] > 0.99, pre
     assert pre["n_ctx"] == 64 and pre["n_tokens"] == 8 * 31, pre  # chunks of --seq_len
+    # and llama.cpp's tokenizer cuts the calibration text as transformers' did
+    tok = pre["tokenizer"]
+    assert tok["same"] and tok["n_differ"] == 0 and tok["n_llama"] >= 100, tok
+    assert "llama.cpp's tokenizer agrees with transformers'" in tiny_run["stderr"]
     rows = json.loads((out / "eval" / "report.json").read_text())
     assert [r["file"] for r in rows] == ["Voodoo"]
     timing = json.loads((out / "eval" / "timing.json").read_text())

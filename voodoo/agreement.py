@@ -38,7 +38,8 @@ from .llamacpp import tool_path
 
 __all__ = ["write_kld_base", "read_kld_base", "torch_logits", "chunk_tokens", "gguf_vocab",
            "llama_vs_torch", "preflight", "AgreementError", "LlamaCppLoadError", "KLD_MAGIC",
-           "DEFAULT_PREFLIGHT_MAX_KLD", "DEFAULT_PREFLIGHT_TOKENS", "preflight_shape"]
+           "DEFAULT_PREFLIGHT_MAX_KLD", "DEFAULT_PREFLIGHT_TOKENS", "preflight_shape",
+           "llama_tokenize", "tokenizer_agreement", "tokenizer_warning", "calibration_text"]
 
 #: The base-logits file's first 8 bytes (``perplexity()`` / ``kl_divergence()``).
 KLD_MAGIC = b"_logits_"
@@ -535,3 +536,116 @@ def _transformers_version() -> str:
         return transformers.__version__
     except ImportError:
         return "(not installed)"
+
+
+# ------------------------------------------------------------------------ the tokenizers
+#: Characters of calibration text the tokenizer comparison reads (about 1,000 tokens; well
+#: under a second for both tokenizers).
+DEFAULT_TOKENIZER_CHARS = 4000
+
+
+def llama_tokenize(gguf_path: str | os.PathLike, text: str, timeout: float = 120.0
+                   ) -> list[int]:
+    """llama.cpp's token ids for ``text`` with the vocabulary of ``gguf_path``: ``llama-tokenize
+    -m F --ids --no-bos`` (tools/tokenize in the pinned llama.cpp; it loads the vocabulary
+    only). It reads a special token's text in the input as that token (its default; no
+    ``--no-parse-special``), as transformers does.
+
+    Raises LlamaCppNotBuilt (llama-tokenize missing: ``voodoo bootstrap``) or PerplexityError
+    (the tool failed or printed no id list; its output's tail is quoted)."""
+    import subprocess
+
+    from .llamacpp import tool_env
+    with tempfile.TemporaryDirectory(prefix="voodoo-tok-") as td:
+        f = Path(td) / "text.txt"
+        f.write_text(text, encoding="utf-8")
+        args = [str(tool_path("llama-tokenize")), "-m", str(gguf_path), "-f", str(f), "--ids",
+                "--no-bos"]
+        try:
+            p = subprocess.run(args, capture_output=True, timeout=timeout, env=tool_env())
+        except subprocess.TimeoutExpired:
+            raise PerplexityError(f"llama-tokenize on {Path(gguf_path).name} ran past "
+                                  f"{timeout:.0f} s") from None
+    out = p.stdout.decode(errors="replace")  # the id list; the log goes to stderr
+    m = re.search(r"\[([0-9,\s]*)\]\s*$", out)
+    if p.returncode != 0 or m is None:
+        raise PerplexityError(
+            f"llama-tokenize failed on {Path(gguf_path).name} (exit {p.returncode}): "
+            f"{_tail(p.stderr.decode(errors='replace') + out)}")
+    return [int(x) for x in m.group(1).replace(",", " ").split()]
+
+
+def tokenizer_agreement(gguf_path: str | os.PathLike, tokenizer, text: str,
+                        timeout: float = 120.0) -> dict:
+    """Does llama.cpp cut ``text`` into the tokens transformers' ``tokenizer`` does? Voodoo's
+    calibration blocks are transformers' tokens (``voodoo data``); what llama.cpp serves reads
+    text with the GGUF's own vocabulary and pre-tokenizer (``tokenizer.ggml.pre``, chosen by
+    the converter), and llama-perplexity's tables read text with it too.
+
+    Args:
+        gguf_path: a GGUF whose vocabulary llama.cpp uses (the converter's F32 base).
+        tokenizer: the transformers tokenizer the calibration data was made with.
+        text: the text to compare, e.g. a decoded stretch of the calibration blocks.
+
+    Returns ``{"n_chars", "n_transformers", "n_llama", "n_differ", "first_diff", "same",
+    "pre", "context"}``: ``n_differ`` counts the tokens outside the longest matching runs
+    (``difflib.SequenceMatcher`` over the two id lists: 0 when they agree), ``first_diff`` the
+    index of the first token that differs (None when they agree), ``context`` both sides'
+    token strings from there (up to 6 each), ``pre`` the GGUF's ``tokenizer.ggml.pre``.
+
+    Raises what :func:`llama_tokenize` raises."""
+    import difflib
+
+    from .ggufio import read_gguf
+    hf = [int(i) for i in tokenizer(text, add_special_tokens=False).input_ids]
+    ll = llama_tokenize(gguf_path, text, timeout=timeout)
+    r = read_gguf(gguf_path)
+    pre = r.fields.get("tokenizer.ggml.pre")
+    pre = pre.contents() if pre is not None else None
+    matched = sum(b.size for b in difflib.SequenceMatcher(None, hf, ll, autojunk=False)
+                  .get_matching_blocks())
+    first = next((i for i, (a, b) in enumerate(zip(hf, ll)) if a != b),
+                 None if len(hf) == len(ll) else min(len(hf), len(ll)))
+    res = {"n_chars": len(text), "n_transformers": len(hf), "n_llama": len(ll),
+           "n_differ": max(len(hf), len(ll)) - matched, "first_diff": first,
+           "same": hf == ll, "pre": pre, "context": None}
+    if first is not None:
+        vocab = r.fields.get("tokenizer.ggml.tokens")
+        names = vocab.contents() if vocab is not None else []
+
+        def piece(i):
+            return names[i] if 0 <= i < len(names) else f"<id {i}>"
+        res["context"] = {"transformers": [piece(i) for i in hf[first:first + 6]],
+                          "llama.cpp": [piece(i) for i in ll[first:first + 6]]}
+    return res
+
+
+def tokenizer_warning(res: dict, gguf_name: str) -> str | None:
+    """One line on a :func:`tokenizer_agreement` result that differs (None when it agrees):
+    what differs, where, what it means for the run and what usually causes it."""
+    if res.get("same"):
+        return None
+    ctx = res.get("context") or {}
+    return (f"warning: llama.cpp's tokenizer ({gguf_name}, tokenizer.ggml.pre="
+            f"{res.get('pre')!r}) cuts {res['n_chars']} characters of the calibration text "
+            f"into {res['n_llama']} tokens where transformers' makes {res['n_transformers']}, "
+            f"{res['n_differ']} of them different (first at token {res['first_diff']}: "
+            f"transformers {ctx.get('transformers')} vs llama.cpp {ctx.get('llama.cpp')}). "
+            "Voodoo calibrates on transformers' tokens; the GGUF will read text with llama.cpp's "
+            "(chat, server, the eval tables). Usually the converter did not recognise the "
+            "pre-tokenizer (convert_hf_to_gguf.py's get_vocab_base_pre); the quantization "
+            "itself is unaffected")
+
+
+def calibration_text(tokenizer, ids: torch.Tensor, n_chars: int = DEFAULT_TOKENIZER_CHARS
+                     ) -> str:
+    """Up to ``n_chars`` characters of text decoded from calibration token ids (LongTensor, any
+    shape; special tokens such as the EOS between documents dropped), cut at the last
+    whitespace so no word is split: the text :func:`tokenizer_agreement` compares on."""
+    flat = ids.reshape(-1)[: max(64, n_chars // 2)].tolist()
+    text = tokenizer.decode(flat, skip_special_tokens=True)
+    if len(text) > n_chars:
+        cut = text[:n_chars]
+        ws = max(cut.rfind(" "), cut.rfind("\n"))
+        text = cut[:ws] if ws > n_chars // 2 else cut
+    return text

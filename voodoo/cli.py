@@ -1445,7 +1445,7 @@ class Run:
                     f"(--n_train_blocks x --seq_len) or --skip_preflight") from None
         rec = {"base_sha256": key, "ok": ok, "kld_mean": res.get("kld_mean"),
                "same_top_p": res.get("same_top_p"), "n_tokens": res.get("n_tokens"),
-               "n_ctx": n_ctx}
+               "n_ctx": n_ctx, "tokenizer": self._tokenizer_check(base)}
         kld = rec["kld_mean"]
         if isinstance(kld, float) and kld < 1e-5:
             # at the 16-bit log-probs' resolution the estimate may come out a hair below zero
@@ -1455,6 +1455,28 @@ class Run:
             f"({res.get('n_chunk', n_chunk)} x {n_ctx} tokens, the training length)")
         write_json(path, rec)
         return rec
+
+    def _tokenizer_check(self, base) -> dict | None:
+        """transformers' tokens against llama.cpp's on a stretch of the calibration text
+        (:func:`voodoo.agreement.tokenizer_agreement`): a line when they agree, a warning
+        when they differ (the run goes on: the quantization does not depend on it). None
+        when it cannot run (no tokenizer, llama-tokenize not built or failing), said in one
+        line."""
+        from .agreement import calibration_text, tokenizer_agreement, tokenizer_warning
+        from .evaluate import PerplexityError
+        from .llamacpp import LlamaCppNotBuilt
+        tok = getattr(self.ctx, "tokenizer", None)
+        if tok is None:
+            return None
+        try:
+            res = tokenizer_agreement(base, tok, calibration_text(tok, self.train_blocks))
+        except (LlamaCppNotBuilt, PerplexityError) as e:
+            log(f"tokenizer comparison skipped: {e}")
+            return None
+        warn = tokenizer_warning(res, base.name)
+        log(warn or f"pre-flight: llama.cpp's tokenizer agrees with transformers' on "
+            f"{res['n_chars']} characters of the calibration text ({res['n_llama']} tokens)")
+        return res
 
     def model_id(self) -> str:
         """``Name@sha256:<hex>`` of the base F32 GGUF (:func:`voodoo.provenance.model_identity`)

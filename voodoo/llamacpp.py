@@ -45,8 +45,9 @@ LLAMA_CPP_PYTHON_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372
 #: ggml-org/llama.cpp@0c1e57098").
 LLAMA_CPP_COMMIT = "0c1e57098"
 
-#: The tools the pipeline runs (quantize stock types, measure PPL/KLD, imatrix).
-PIPELINE_TOOLS = ("llama-quantize", "llama-perplexity", "llama-imatrix")
+#: The tools the pipeline runs (quantize stock types, measure PPL/KLD, imatrix, and the
+#: pre-flight check's tokenizer comparison).
+PIPELINE_TOOLS = ("llama-quantize", "llama-perplexity", "llama-imatrix", "llama-tokenize")
 #: The tools that generate text with a GGUF: ``voodoo chat`` (llama-completion, one turn with
 #: the model's chat template), ``voodoo serve`` (llama-server), and llama-cli (interactive).
 CHAT_TOOLS = ("llama-completion", "llama-cli", "llama-server")
