@@ -335,8 +335,9 @@ def test_llama_cpps_tokenizer_is_compared_with_transformers(tiny_prepared, smol_
     assert res["n_llama"] == len(ids) and res["pre"] == "smollm"
     assert tokenizer_warning(res, "x") is None
     # the text the run compares: calibration ids decoded, cut at whitespace, special tokens out
-    text = calibration_text(smol_tokenizer, torch.tensor([ids * 40]), n_chars=1000)
+    text = calibration_text(smol_tokenizer, torch.tensor([[216] + ids * 40]), n_chars=1000)
     assert 500 < len(text) <= 1000 and text[-1] != " " and "<|im_start|>" not in text
+    assert text.startswith("Hello world"), text[:20]  # id 216 is a space
     bad = _with_pre(base, tmp_path / "falcon.gguf", b"falcon")
     res = tokenizer_agreement(bad, smol_tokenizer, _TEXT)
     assert not res["same"] and res["n_differ"] > 10 and res["pre"] == "falcon", res

@@ -641,9 +641,12 @@ def calibration_text(tokenizer, ids: torch.Tensor, n_chars: int = DEFAULT_TOKENI
                      ) -> str:
     """Up to ``n_chars`` characters of text decoded from calibration token ids (LongTensor, any
     shape; special tokens such as the EOS between documents dropped), cut at the last
-    whitespace so no word is split: the text :func:`tokenizer_agreement` compares on."""
+    whitespace so no word is split, and without leading whitespace: the text
+    :func:`tokenizer_agreement` compares on. (A block may start anywhere in a document; where a
+    text starts with a space, SentencePiece tokenizers differ by design: transformers' merges
+    it into the prefix space, llama.cpp's adds its own.)"""
     flat = ids.reshape(-1)[: max(64, n_chars // 2)].tolist()
-    text = tokenizer.decode(flat, skip_special_tokens=True)
+    text = tokenizer.decode(flat, skip_special_tokens=True).lstrip()
     if len(text) > n_chars:
         cut = text[:n_chars]
         ws = max(cut.rfind(" "), cut.rfind("\n"))
