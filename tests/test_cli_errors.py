@@ -929,11 +929,17 @@ def test_eval_text_read_only_as_far_as_the_check_needs(tmp_path):
 
 
 # ------------------------------------------------------------------------------ Ray guards
-def test_a_run_folder_in_use_is_refused(tiny_fixed, tmp_path):  # noqa: F811
+def test_a_run_folder_in_use_is_refused(tiny_fixed, tmp_path, monkeypatch):  # noqa: F811
     """Two training commands in one run folder shared its journal, imatrix and Ray run name; two
     `train --ray` runs there once baked one run's gates as the other's (exit 0, a Voodoo50
     file from a 0.6 run). The folder is now locked while a command trains in it; the second
-    is refused in one line naming the holder, and the lock goes with the first command."""
+    is refused in one line naming the holder, before it converts or loads the model, and the
+    lock goes with the first command."""
+    from voodoo.cli import Run
+
+    def no_model(self):
+        raise AssertionError("the model was loaded before the folder lock was checked")
+    monkeypatch.setattr(Run, "context", no_model)
     out = tmp_path / "run"
     out.mkdir()
     holder = subprocess.Popen(
@@ -949,6 +955,7 @@ def test_a_run_folder_in_use_is_refused(tiny_fixed, tmp_path):  # noqa: F811
         assert f"{out} is in use by another Voodoo run" in line and str(holder.pid) in line
         assert "--output_dir" in line
         assert not (out / "data").exists()
+        monkeypatch.undo()
         # `voodoo data` into that folder too (it rewrote data/ under a running train)
         rc, _, err = run_cli(["data", "--model", str(tiny_fixed), "--output_dir", str(out),
                               "--seq_len", "64", "--n_train_blocks", "4"])

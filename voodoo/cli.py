@@ -2252,6 +2252,11 @@ def _train(argv, run_all=False):
                 "calibration corpus (--data_name), not WikiText-2")
     from .bake import parse_tensor_upgrades
     rules = parse_tensor_upgrades(a.tensor_upgrades)  # malformed JSON / regex: fail now
+    if a.output_dir:  # a folder in use is refused before the model is converted and loaded
+        holder = _run_folder_holder(Path(a.output_dir))
+        if holder is not None:
+            raise UsageError(f"{a.output_dir} is in use by another Voodoo run ({holder}); wait "
+                             "for it to finish, or pass another --output_dir")
     r = Run(a)
     r.context()
     _default_rounding(a, r.ctx.specs)
