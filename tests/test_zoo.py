@@ -202,3 +202,35 @@ def test_preflight_runs_at_the_training_length(tmp_path, converter_ready):
     line = error_line(rc, err)
     assert "pre-flight check failed" in line and "2 chunks of 256 tokens" in line, line
     assert "--seq_len 256" in line and "--skip_preflight" in line, line
+
+
+def test_llama_cpps_tokenizer_agrees_on_a_sentencepiece_vocabulary(tmp_path_factory):
+    """The pre-flight's tokenizer comparison on the zoo's SentencePiece (unigram,
+    ``tokenizer.model``) vocabulary, which llama.cpp reads with its SPM tokenizer: transformers
+    and llama-tokenize cut English text (digits, runs of spaces, punctuation, a leading space)
+    alike, the calibration text's way. (No newline: this tiny vocabulary has neither a newline
+    piece nor byte pieces, and llama.cpp's SPM tokenizer aborts on a character it cannot map;
+    real SentencePiece vocabularies carry byte fallback.)"""
+    from voodoo.llamacpp import LlamaCppNotBuilt, tool_path
+    try:
+        tool_path("llama-tokenize")
+    except LlamaCppNotBuilt as e:
+        pytest.skip(str(e))
+    import torch
+    from transformers import AutoTokenizer
+
+    from voodoo.agreement import calibration_text, tokenizer_agreement
+    prep = _prepared("gemma2", tmp_path_factory)
+    tok = AutoTokenizer.from_pretrained(make_tiny("gemma2"))
+    text = ("The 2024 build, version 3.14 (beta) -- see docs/build.md.  Two   spaces and "
+            "more; \"quoted\" words: llama.cpp's ggml_tensor, 100,000 rows! ") * 8
+    res = tokenizer_agreement(prep.base_gguf, tok, text)
+    assert res["same"] and res["n_differ"] == 0 and res["n_llama"] > 100, res
+    ids = tok(" " + text, add_special_tokens=False).input_ids
+    cal = calibration_text(tok, torch.tensor([ids]))
+    assert not cal[0].isspace() and tokenizer_agreement(prep.base_gguf, tok, cal)["same"]
+    # a newline it has no piece for: llama.cpp aborts, and the error says what that means
+    from voodoo.evaluate import PerplexityError
+    with pytest.raises(PerplexityError, match=r"(?s)aborted \(signal 6\).*unordered_map::at.*"
+                       "cannot tokenize this text"):
+        tokenizer_agreement(prep.base_gguf, tok, "one line\nanother")

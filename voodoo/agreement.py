@@ -568,6 +568,12 @@ def llama_tokenize(gguf_path: str | os.PathLike, text: str, timeout: float = 120
                                   f"{timeout:.0f} s") from None
     out = p.stdout.decode(errors="replace")  # the id list; the log goes to stderr
     m = re.search(r"\[([0-9,\s]*)\]\s*$", out)
+    if p.returncode < 0:
+        raise PerplexityError(
+            f"llama-tokenize aborted (signal {-p.returncode}) on {Path(gguf_path).name}: "
+            f"{_tail(p.stderr.decode(errors='replace'))}; llama.cpp cannot tokenize this text "
+            "with this vocabulary (e.g. a SentencePiece vocabulary without byte pieces meets a "
+            "character it has no piece for), and a GGUF of it aborts on such text when served")
     if p.returncode != 0 or m is None:
         raise PerplexityError(
             f"llama-tokenize failed on {Path(gguf_path).name} (exit {p.returncode}): "

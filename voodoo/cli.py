@@ -1471,7 +1471,8 @@ class Run:
         try:
             res = tokenizer_agreement(base, tok, calibration_text(tok, self.train_blocks))
         except (LlamaCppNotBuilt, PerplexityError) as e:
-            log(f"tokenizer comparison skipped: {e}")
+            log(f"{'warning: ' if 'aborted' in str(e) else ''}tokenizer comparison "
+                f"skipped: {e}")
             return None
         warn = tokenizer_warning(res, base.name)
         log(warn or f"pre-flight: llama.cpp's tokenizer agrees with transformers' on "
