@@ -593,8 +593,13 @@ def tokenizer_agreement(gguf_path: str | os.PathLike, tokenizer, text: str,
         tokenizer: the transformers tokenizer the calibration data was made with.
         text: the text to compare, e.g. a decoded stretch of the calibration blocks.
 
+    Characters llama.cpp's tokenizer cannot read with this vocabulary (a SentencePiece
+    vocabulary without byte pieces; :func:`voodoo.llamatext.untokenizable`) are replaced by
+    spaces first, as in every text Voodoo hands to llama.cpp; they are listed in
+    ``"unreadable"``.
+
     Returns ``{"n_chars", "n_transformers", "n_llama", "n_differ", "first_diff", "same",
-    "pre", "context"}``: ``n_differ`` counts the tokens outside the longest matching runs
+    "pre", "context", "unreadable"}``: ``n_differ`` counts the tokens outside the longest matching runs
     (``difflib.SequenceMatcher`` over the two id lists: 0 when they agree), ``first_diff`` the
     index of the first token that differs (None when they agree), ``context`` both sides'
     token strings from there (up to 6 each), ``pre`` the GGUF's ``tokenizer.ggml.pre``.
@@ -603,6 +608,9 @@ def tokenizer_agreement(gguf_path: str | os.PathLike, tokenizer, text: str,
     import difflib
 
     from .ggufio import read_gguf
+    from .llamatext import _replace, untokenizable
+    bad = untokenizable(gguf_path, text)
+    text = _replace(text, bad) if bad else text
     hf = [int(i) for i in tokenizer(text, add_special_tokens=False).input_ids]
     ll = llama_tokenize(gguf_path, text, timeout=timeout)
     r = read_gguf(gguf_path)
@@ -614,7 +622,7 @@ def tokenizer_agreement(gguf_path: str | os.PathLike, tokenizer, text: str,
                  None if len(hf) == len(ll) else min(len(hf), len(ll)))
     res = {"n_chars": len(text), "n_transformers": len(hf), "n_llama": len(ll),
            "n_differ": max(len(hf), len(ll)) - matched, "first_diff": first,
-           "same": hf == ll, "pre": pre, "context": None}
+           "same": hf == ll, "pre": pre, "context": None, "unreadable": bad}
     if first is not None:
         vocab = r.fields.get("tokenizer.ggml.tokens")
         names = vocab.contents() if vocab is not None else []
