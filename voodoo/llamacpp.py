@@ -8,14 +8,14 @@ Builds live outside the repository, in ``$VOODOO_CACHE/llama.cpp/<commit>/`` (de
     src/   the vendored llama.cpp tree
     lib/   libggml-base.so (shared; what cython_ggml loads; about 20 s)
     bin/   static builds of the pipeline's tools (llama-quantize, llama-perplexity,
-           llama-imatrix) and of the tools that talk to a GGUF (llama-completion, llama-cli,
-           llama-server); on 2 idle cores about 3 min for the first three and 2 more for the
-           others (3 CPU-minutes measured)
+           llama-imatrix, llama-tokenize) and of the tools that talk to a GGUF
+           (llama-completion, llama-cli, llama-server); on 2 idle cores about 3 min for the
+           first four and 2 more for the others (3 CPU-minutes measured)
 
 ``lib/`` and ``bin/`` are staged in ``*.partial-*`` folders and renamed into place only when
 complete, so an interrupted build never leaves a folder that looks finished. The CMake build
 folder (``build-tools/``) is kept, so a later build of more tools compiles only what they add
-(a cache that has the first three gets the others without recompiling them). One build at a
+(a cache that has the first four gets the others without recompiling them). One build at a
 time per cache (a lock file).
 
 ``VOODOO_GGML_LIB=/path/libggml-base.so`` and ``VOODOO_LLAMA_CPP=/path/to/build`` (a folder
@@ -517,8 +517,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = ArgumentParser(
         prog="voodoo bootstrap", description=__doc__.split("\n")[0],
         epilog=f"Builds into {build_root()} (VOODOO_CACHE moves it). On 2 idle cores: "
-               "libggml-base about 20 s; llama-quantize, llama-perplexity and llama-imatrix "
-               "about 3 min; llama-completion, llama-cli and llama-server about 2 min more "
+               "libggml-base about 20 s; llama-quantize, llama-perplexity, llama-imatrix and "
+               "llama-tokenize about 3 min; llama-completion, llama-cli and llama-server about 2 min more "
                "(several times longer when the cores are busy). Cached builds are reused; "
                "only missing tools are built.")
     ap.add_argument("--lib_only", "--lib-only", action="store_true",
