@@ -398,7 +398,7 @@ def _menu_flags(ap, menus: bool = True):
                          "on); export and eval take the --assignment's")
     ap.add_argument("--hessian_blocks", type=_int_at_least(1), default=None,
                     help="calibration blocks behind the input Hessians of --rounding gptq "
-                         "and auto (the default) (the first N train blocks; from 16, as many as "
+                         "and auto (the first N train blocks; from 16, as many as "
                          "the imatrix, ffn_down's K-quants fit the calibration text and come out "
                          "worse on held-out text: benchmarks/results/rounding). "
                          f"Default: the first min({DEFAULT_HESSIAN_BLOCKS}, --n_train_blocks) "
