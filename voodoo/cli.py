@@ -2245,7 +2245,9 @@ def _train(argv, run_all=False):
     if run_all:
         _eval_flags(ap)
         ap.add_argument("--stock_types", default="IQ2_XXS,IQ2_M,IQ4_XS",
-                        help="llama.cpp file types to compare with")
+                        help="llama.cpp file types to compare with (llama-quantize with "
+                             "the run's imatrix; a fixed list, whatever the budget; '' for "
+                             "none)")
     a = _parse_keeping_run_data(ap, argv)
     _check_ray_flags(a)
     _check_workers_fit_here(a)
