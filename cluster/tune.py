@@ -458,7 +458,8 @@ def _check_settings(path: str, name: str, settings: dict, only=None) -> None:
     if "train_config" in diff:
         a, b = saved.get("train_config") or {}, settings["train_config"]
         diff.remove("train_config")
-        diff += sorted(f"train_config.{k}" for k in set(a) | set(b) if a.get(k) != b.get(k))
+        diff += sorted(f"train_config.{k} ({a.get(k)!r} there, {b.get(k)!r} now)"
+                       for k in set(a) | set(b) if a.get(k) != b.get(k))
     if diff:
         raise ValueError(f"sweep {name} in {path} was started with other settings (differs in "
                          f"{', '.join(diff)}); rerun with the same settings to continue it, or "

@@ -92,6 +92,23 @@ def test_upgrades_move_and_guard():
     assert all(t["type"] == t["menu"][0] for t in c["tensors"].values())
 
 
+def test_upgrades_say_what_they_moved(capsys):
+    """A bake with guardrails says, per rule, how many tensors it moved (a new user saw the
+    same byte total with and without them and could not tell that 62 tensors had moved)."""
+    logits, menus, nbytes = synthetic()
+    arg = {n: int(torch.argmax(z)) for n, z in logits.items()}
+    budget = sum(nbytes[n][k] for n, k in arg.items())
+    top = sum(arg[n] == 0 for n in arg if "ffn_down" in n)
+    bake(logits, menus, nbytes, budget, tolerance=0.5,
+         tensor_upgrades=[{"pattern": "ffn_down", "levels": 1}])
+    err = capsys.readouterr().err
+    moved = 6 - top
+    assert f"guardrails (--tensor_upgrades): 'ffn_down' +1: {moved} of 6 tensors moved" in err
+    assert (f"({top} at the end of their menu)" in err) == (top > 0), err
+    bake(logits, menus, nbytes, budget, tolerance=0.5)
+    assert "guardrails" not in capsys.readouterr().err
+
+
 def test_guardrails_hold_under_the_budget_and_give_way_over_it_with_a_warning():
     """A downgrade rule whose tensor cannot be paid back inside the window stays down (the
     repair dropped it silently to spend the bytes it saved); an upgrade rule that cannot fit

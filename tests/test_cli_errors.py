@@ -846,6 +846,7 @@ def test_relative_output_dir_in_a_ray_job_copy(tmp_path, monkeypatch):
     (["tune", "--lr", "0.1", "--lr_range", "0.01", "0.5"], "(--lr_range): leave --lr out"),
     (["tune", "--stop_after", "3"], "every trial trains --max_steps steps"),
     (["train", "--match_size", "0"], "must be > 0"),
+    (["train", "--size", "Voodoo5x"], "is not a size: give a percent of the Q8_0 bytes, e.g. 55"),
     (["train", "--imatrix_blocks", "0"], "--imatrix_blocks: must be an integer >= 1"),
     (["train", "--hessian_blocks", "-1"], "--hessian_blocks: must be an integer >= 1"),
     (["train", "--n_train_blocks", "0"], "--n_train_blocks: must be 'auto' or an integer >= 1"),
@@ -1525,3 +1526,10 @@ def test_ray_runs_sharing_a_run_folder_or_an_unwritable_storage_path(tiny_fixed,
         line = error_line(rc, err, cmd)
         assert "--storage_path" in line and "afile is a file, not a folder" in line, line
         assert not (out / "data").exists()
+
+
+def test_size_takes_the_voodoo_name():
+    """``--size Voodoo55`` (the README's and the file names' spelling) is ``--size 55``."""
+    from voodoo.cli import _voodoo_size
+    assert _voodoo_size("Voodoo55") == _voodoo_size("55") == _voodoo_size("voodoo55") == 55.0
+    assert _voodoo_size("Voodoo42.5") == 42.5

@@ -178,20 +178,32 @@ def bake(gate_logits: Mapping[str, Sequence[float] | torch.Tensor],
     # 2. guardrails. lo/hi: allowed index range during repair (0 = most bits).
     lo = {n: 0 for n in names}
     hi = {n: len(menu[n]) - 1 for n in names}
-    argmax, rule = dict(cur), {}
-    for rx, lev in parse_tensor_upgrades(tensor_upgrades):
+    argmax, rule, which = dict(cur), {}, {}
+    rules = parse_tensor_upgrades(tensor_upgrades)
+    for i, (rx, lev) in enumerate(rules):
         hit = [n for n in names if rx.search(n)]
         if not hit:
             raise ValueError(f"--tensor_upgrades pattern {rx.pattern!r} matches no tensor "
                              f"(names look like {names[0]!r})")
         for n in hit:   # the last rule that matches a tensor decides, counted from its argmax
-            rule[n] = lev
+            rule[n], which[n] = lev, i
     for n, lev in rule.items():
         cur[n] = min(max(argmax[n] - lev, 0), len(menu[n]) - 1)
         if lev > 0:
             lo[n], hi[n] = 0, cur[n]
         elif lev < 0:
             lo[n], hi[n] = cur[n], len(menu[n]) - 1
+    if rules:  # what each rule did (the repair may move the other tensors to pay for it)
+        from .progress import log
+        said = []
+        for i, (rx, lev) in enumerate(rules):
+            mine = [n for n in rule if which[n] == i]
+            moved = sum(cur[n] != argmax[n] for n in mine)
+            said.append(f"{rx.pattern!r} {lev:+d}: {moved} of {len(mine)} tensors moved"
+                        + (f" ({len(mine) - moved} at the end of their menu)"
+                           if moved < len(mine) and lev else ""))
+        log(f"guardrails (--tensor_upgrades): {'; '.join(said)}; the repair keeps them and "
+            "moves other tensors to stay within the budget")
 
     # 3. repair.
     if ceiling:

@@ -100,7 +100,8 @@ class ArgumentParser(argparse.ArgumentParser):
 _FLAG_HINTS = {
     "--tensor_upgrades": "; on a finished run, `voodoo train` with the same --output_dir and "
                          "flags plus --tensor_upgrades bakes again from its journal without "
-                         "training again (25 s for SmolLM2), "
+                         "training again (25 s for SmolLM2; add --output_name NAME to keep the "
+                         "first assignment and GGUF beside the new ones), "
                          "then `voodoo export`",
 }
 
@@ -314,9 +315,10 @@ def _default_rounding(a, specs) -> None:
     else:
         a.rounding = "auto"
         log("candidate bytes: --rounding auto (the default): llama-quantize's and error-feedback "
-            "bytes for every (tensor, type), the better one on the held-out eval blocks kept; a "
-            "new calibration text makes the error-feedback ones again (the slow part of a first "
-            "run: minutes to tens of minutes on a CPU; --rounding ggml skips them)")
+            "bytes for every (tensor, type), the better one on the held-out eval blocks kept; "
+            "the error-feedback bytes are cached per model and calibration text (making them "
+            "for a new one is the slow part of a first run: minutes to tens of minutes on a "
+            "CPU; --rounding ggml skips them)")
 
 
 def _run_data_defaults(ap) -> dict:
@@ -405,14 +407,28 @@ def _menu_flags(ap, menus: bool = True):
                          "train blocks; export and eval take the --assignment's")
 
 
+def _voodoo_size(text: str) -> float:
+    """--size: a percent of the Q8_0 bytes, written ``55`` or ``Voodoo55`` (the file names' and
+    README's spelling; case-insensitive)."""
+    t = text.strip()
+    if t.lower().startswith("voodoo"):
+        t = t[len("voodoo"):]
+    try:
+        return float(t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a size: give a percent of the Q8_0 bytes, e.g. 55 or Voodoo55"
+        ) from None
+
+
 def _budget_flags(ap):
     ap.add_argument("--compression_ratio", type=float, default=None,
                     help="budget as a fraction of the selectable tensors' Q8_0 bytes "
                          "(0.55 = Voodoo55; default 0.55)")
-    ap.add_argument("--size", type=float, default=None, metavar="PERCENT",
+    ap.add_argument("--size", type=_voodoo_size, default=None, metavar="PERCENT",
                     help="the Voodoo size: budget in percent of the selectable tensors' Q8_0 "
-                         "bytes (55 = Voodoo55, the same as --compression_ratio 0.55; the "
-                         "standard sizes are 25, 30, ..., 80)")
+                         "bytes (55 or Voodoo55 = Voodoo55, the same as --compression_ratio "
+                         "0.55; the standard sizes are 25, 30, ..., 80)")
     ap.add_argument("--target_bits", type=float, default=None,
                     help="budget in bits per weight over the selectable tensors")
     ap.add_argument("--budget_reduction", type=float, default=0.0,

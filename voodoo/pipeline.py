@@ -916,6 +916,21 @@ def choose_rounding(ctx: Context, menus, imatrix, cache: CandidateCache, hessian
     return out
 
 
+def _stale_report_note(gguf: Path) -> str:
+    """``"; <run>/eval/report.md scored the file it replaces ..."`` when the run folder's
+    report names ``gguf`` (a re-export under the same name leaves that table describing the old
+    file), else ``""``."""
+    report = Path(gguf).parent / "eval" / "report.json"
+    try:
+        rows = json.loads(report.read_text())
+    except (OSError, ValueError):
+        return ""
+    if not any(isinstance(r, dict) and r.get("name") == Path(gguf).name for r in rows or []):
+        return ""
+    return (f"; {report.with_suffix('.md')} scored the file it replaces: `voodoo eval --gguf "
+            f"{gguf}` scores the new one")
+
+
 def _dequantized(cache: CandidateCache, key, type_name: str, n_per_row: int) -> np.ndarray:
     import cython_ggml as cg
     data = cache.get(key)
@@ -1267,7 +1282,8 @@ def export(ctx: Context, assignment, keys, cache: CandidateCache, out_path,
         raise ExportError(f"{out_path} is a folder, where the GGUF would be written: move it "
                           "away, or name the file otherwise (--output_name NAME)")
     if out_path.exists():  # written atomically: the old file stays whole until the new one is
-        log(f"{out_path.name} exists; it is replaced (--output_name NAME keeps both)")
+        log(f"{out_path.name} exists; it is replaced (--output_name NAME keeps both)"
+            + _stale_report_note(out_path))
     p = export_gguf(ctx.prepared.base_gguf, assignment, lookup, out_path, extra_kv=extra_kv)
     tt = write_tensor_type_file(assignment, out_path.with_suffix(".tensor-types.txt"),
                                 base_gguf=ctx.prepared.base_gguf)

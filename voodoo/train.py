@@ -333,8 +333,9 @@ def check_journal_fits(journal, cfg: "TrainConfig", budget: float, st: dict | No
     journal = Path(journal)
     st = _load_journal(journal) if st is None else st
     mine, theirs = cfg.to_dict(), dict(st["config"])
-    diff = sorted(k for k in set(mine) | set(theirs)
-                  if k not in _RESUME_FREE and mine.get(k) != theirs.get(k))
+    diff = [f"{k} ({theirs.get(k)!r} there, {mine.get(k)!r} now)"
+            for k in sorted(set(mine) | set(theirs))
+            if k not in _RESUME_FREE and mine.get(k) != theirs.get(k)]
     if int(st["budget_bytes"]) != int(budget):
         diff.append(f"budget_bytes ({int(st['budget_bytes'])} there, {int(budget)} now)")
     if diff:

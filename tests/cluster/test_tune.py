@@ -160,7 +160,8 @@ def test_interrupted_sweep_resumes_without_rerunning_finished_trials(tmp_path, r
     ranges = ((1.0, 1000.0), (0.001, 0.02))
     check_sweep_early(tmp_path / "ray", "resume", cfg, 3, *ranges, None, 0)   # the same: passes
     check_sweep_early(tmp_path / "ray", "no-such-sweep", cfg, 5, *ranges, None, 0)
-    with pytest.raises(ValueError, match="other settings.*train_config.max_steps"):
+    with pytest.raises(ValueError, match=r"other settings.*train_config.max_steps \(\d+ there, "
+                                         r"5 now\)"):
         check_sweep_early(tmp_path / "ray", "resume", dataclasses.replace(cfg, max_steps=5), 3,
                           *ranges, None, 0)
 
