@@ -548,3 +548,21 @@ def test_an_imatrix_of_the_same_inputs_comes_from_the_cache(tiny_fixed, tmp_path
     # run of this test, may serve: the cache outlives the tests)
     assert str(shared) not in err, err[-3000:]
     assert (tmp_path / "c" / "imatrix.gguf").read_bytes() != a.read_bytes()
+
+
+def test_a_re_export_names_the_report_it_makes_stale(tmp_path):
+    """A new user re-baked with guardrails and re-exported under the same name: the run's
+    eval/report.md still showed the first file's KLD (0.0513) for a file that scored 0.0735.
+    The replacement line now says so when the report names the file, and only then."""
+    from voodoo.pipeline import _stale_report_note
+    gguf = tmp_path / "M.Voodoo55_Q4_K_S.gguf"
+    assert _stale_report_note(gguf) == ""                      # no report
+    (tmp_path / "eval").mkdir()
+    report = tmp_path / "eval" / "report.json"
+    report.write_text(json.dumps([{"file": "Voodoo", "name": gguf.name, "kld": 0.0513}]))
+    note = _stale_report_note(gguf)
+    assert str(tmp_path / "eval" / "report.md") in note and f"voodoo eval --gguf {gguf}" in note
+    report.write_text(json.dumps([{"file": "Voodoo", "name": "other.gguf"}]))
+    assert _stale_report_note(gguf) == ""
+    report.write_text("{not json")
+    assert _stale_report_note(gguf) == ""
