@@ -599,10 +599,11 @@ def tokenizer_agreement(gguf_path: str | os.PathLike, tokenizer, text: str,
     ``"unreadable"``.
 
     Returns ``{"n_chars", "n_transformers", "n_llama", "n_differ", "first_diff", "same",
-    "pre", "context", "unreadable"}``: ``n_differ`` counts the tokens outside the longest matching runs
-    (``difflib.SequenceMatcher`` over the two id lists: 0 when they agree), ``first_diff`` the
-    index of the first token that differs (None when they agree), ``context`` both sides'
-    token strings from there (up to 6 each), ``pre`` the GGUF's ``tokenizer.ggml.pre``.
+    "pre", "context", "unreadable"}``: ``n_differ`` counts the tokens outside the longest
+    matching runs (``difflib.SequenceMatcher`` over the two id lists: 0 when they agree),
+    ``first_diff`` the index of the first token that differs (None when they agree),
+    ``context`` both sides' token strings from there (up to 6 each), ``pre`` the GGUF's
+    ``tokenizer.ggml.pre``.
 
     Raises what :func:`llama_tokenize` raises."""
     import difflib

@@ -518,9 +518,9 @@ def main(argv: list[str] | None = None) -> int:
         prog="voodoo bootstrap", description=__doc__.split("\n")[0],
         epilog=f"Builds into {build_root()} (VOODOO_CACHE moves it). On 2 idle cores: "
                "libggml-base about 20 s; llama-quantize, llama-perplexity, llama-imatrix and "
-               "llama-tokenize about 3 min; llama-completion, llama-cli and llama-server about 2 min more "
-               "(several times longer when the cores are busy). Cached builds are reused; "
-               "only missing tools are built.")
+               "llama-tokenize about 3 min; llama-completion, llama-cli and llama-server "
+               "about 2 min more (several times longer when the cores are busy). Cached "
+               "builds are reused; only missing tools are built.")
     ap.add_argument("--lib_only", "--lib-only", action="store_true",
                     help="build libggml-base only (about 20 s): enough to quantize candidates, "
                          "train and export; not for stock types (llama-quantize), "

@@ -94,7 +94,8 @@ def test_cli_refuses_another_runs_checkpoint_before_any_work(tmp_path):
         return SimpleNamespace(a=SimpleNamespace(run_name="r", storage_path=str(tmp_path)),
                                out=tmp_path / "out", budget=budget, train_config=lambda: cfg)
     _check_ray_checkpoint_early(run(_cfg()))                 # the same run: resumes
-    with pytest.raises(ValueError, match=r"different run \(differs in \['lr \(0\.\d+ there, 0\.2 now\)'\]\).*--run_name"):
+    with pytest.raises(ValueError, match=r"different run \(differs in \['lr \(0\.\d+ there, "
+                                         r"0\.2 now\)'\]\).*--run_name"):
         _check_ray_checkpoint_early(run(_cfg(lr=0.2)))
     with pytest.raises(ValueError, match="budget_bytes"):
         _check_ray_checkpoint_early(run(_cfg(), first.budget_bytes + 1000))
