@@ -1533,3 +1533,25 @@ def test_size_takes_the_voodoo_name():
     from voodoo.cli import _voodoo_size
     assert _voodoo_size("Voodoo55") == _voodoo_size("55") == _voodoo_size("voodoo55") == 55.0
     assert _voodoo_size("Voodoo42.5") == 42.5
+
+
+def test_eval_text_that_is_the_calibration_text_is_warned(tmp_path, capsys):
+    """A new user ran `voodoo run --data_name calib.txt --eval_text calib.txt`: the table scored
+    the first documents of the training split, silently. Now one warning names both flags;
+    a copy of the same bytes counts too, another text does not."""
+    from types import SimpleNamespace
+
+    from voodoo.cli import _warn_eval_is_calibration
+    calib = tmp_path / "calib.txt"
+    calib.write_text("some calibration text\n" * 100)
+    copy = tmp_path / "copy.txt"
+    copy.write_bytes(calib.read_bytes())
+    other = tmp_path / "other.txt"
+    other.write_text("some evaluation texts\n" * 100)   # the same size, other bytes
+    for ev, want in ((calib, True), (copy, True), (other, False)):
+        a = SimpleNamespace(eval_text=str(ev), data_name=str(calib))
+        assert _warn_eval_is_calibration(a) is want, ev
+        err = capsys.readouterr().err
+        assert ("is the calibration text (--data_name" in err) is want, err
+    assert not _warn_eval_is_calibration(SimpleNamespace(eval_text=str(calib),
+                                                         data_name="enwiki"))

@@ -1241,6 +1241,25 @@ def _cache(a):
     return CandidateCache(a.cache_dir) if getattr(a, "cache_dir", None) else CandidateCache()
 
 
+def _warn_eval_is_calibration(a) -> bool:
+    """Says (one warning line) when ``--eval_text`` is the calibration text ``--data_name``
+    itself (the same file, or the same bytes): the table would score text the gates and the
+    imatrix were fitted on, which flatters every quantized file. Returns whether it warned."""
+    ev, data = getattr(a, "eval_text", None), getattr(a, "data_name", None)
+    if not ev or not data or not Path(data).is_file() or not Path(ev).is_file():
+        return False
+    same = Path(ev).resolve() == Path(data).resolve()
+    if not same and Path(ev).stat().st_size == Path(data).stat().st_size:
+        from .fsutil import sha256_file
+        same = sha256_file(ev) == sha256_file(data)
+    if same:
+        log(f"warning: --eval_text {ev} is the calibration text (--data_name {data}): the "
+            "table will score text the gates and the imatrix were fitted on, which flatters "
+            "every quantized file; give a held-out text (e.g. WikiText-2 test), never the "
+            "calibration text")
+    return same
+
+
 def _default_eval_text() -> Path | None:
     here = Path(__file__).resolve().parents[1]
     for p in (here.parent / "shared" / "data" / "wikitext-2-raw-test.txt",
@@ -2273,6 +2292,7 @@ def _train(argv, run_all=False):
     _check_inputs_early(a)
     if run_all:
         _check_eval_split_length(a)
+        _warn_eval_is_calibration(a)
         if not a.eval_text and _default_eval_text() is None:
             log("no --eval_text and no ../shared/data/wikitext-2-raw-test.txt: the "
                 "final llama-perplexity table will score the held-out eval split of the "
@@ -2691,7 +2711,7 @@ def _eval(argv):
     for k, v in data_defaults.items():
         if getattr(a, k) is None:
             setattr(a, k, v)
-    if a.gguf and not a.eval_text and _default_eval_text() is None:
+    if a.gguf and not a.eval_text:  # the report's own text first, then WikiText beside us
         rec = _recorded_eval_text(a.gguf)
         if rec is not None:
             a.eval_text = str(rec)
