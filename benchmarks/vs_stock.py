@@ -12,13 +12,15 @@ file's and, on the default model, <= 0.6x PR #15550's figure (``PR15550``). Writ
 ``results.md`` (the table) and ``pareto.png`` (file size vs mean KLD, two curves) to ``--out``.
 
     python benchmarks/vs_stock.py --out benchmarks/results/vs_stock [--chunks 40] [--max_steps 8]
-    python benchmarks/vs_stock.py --model M --eval_text T --work /tmp/vs-M  # -> /tmp/vs-M/results
+    python benchmarks/vs_stock.py --model M --eval_text T [--data_name C] --work /tmp/vs-M
+        # -> /tmp/vs-M/results; C: the calibration text (default enwiki), never T
     python benchmarks/vs_stock.py --model ~/.cache/voodoo/rotated/SmolLM2-135M-Instruct-rot \
         --out benchmarks/results/vs_stock_rotated --work /tmp/voodoo-vs-stock-rot
 
 The Voodoo files use the CLI's defaults (``--gate_init fisher``: the Fisher knapsack prior,
 then ``--max_steps`` gate-training steps; ``--rounding auto`` since 2026-12-05); ``--train_args`` adds flags. One imatrix (the first
-row's, computed from 16 enwiki calibration blocks) serves every file. On 2 CPU cores a
+row's, computed from 16 calibration blocks of ``--data_name``, enwiki by default) serves every
+file. On 2 CPU cores a
 gate-training step of 512 tokens takes about 5 s idle (up to about 30 s on shared cores) and
 each evaluation of 40 chunks about 3 minutes.
 """
@@ -45,7 +47,11 @@ BAR = {"Q4_K_M": 0.0387, "Q3_K_M": 0.0933, "IQ4_XS": 0.104, "IQ2_M": 0.328, "IQ2
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    class Fmt(argparse.ArgumentDefaultsHelpFormatter):   # a default said once
+        def _get_help_string(self, action):
+            h = action.help or ""
+            return h if "default" in h else super()._get_help_string(action)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=Fmt)
     ap.add_argument("--out", default=None,
                     help="where results.json/.md and pareto.png go (default: <work>/results; "
                          "the repository's benchmarks/results/ only when named)")
@@ -54,17 +60,31 @@ def main() -> int:
                          "benchmarks/rotated_model.py makes the rotated one)")
     ap.add_argument("--work", default="/tmp/voodoo-vs-stock",
                     help="run folders, stock files and data (outside the repository)")
-    ap.add_argument("--stock", default=",".join(STOCK))
-    ap.add_argument("--chunks", type=int, default=40)
-    ap.add_argument("--ctx", type=int, default=512)
-    ap.add_argument("--max_steps", type=int, default=8)
+    ap.add_argument("--stock", default=",".join(STOCK),
+                    help="llama.cpp file types whose sizes the Voodoo files aim at (a row each)")
+    ap.add_argument("--chunks", type=int, default=40, help="llama-perplexity --chunks")
+    ap.add_argument("--ctx", type=int, default=512, help="llama-perplexity -c (tokens a chunk)")
+    ap.add_argument("--max_steps", type=int, default=8, help="gate-training steps a Voodoo file")
     ap.add_argument("--eval_text", default=str(REPO.parent / "shared" / "data" /
-                                               "wikitext-2-raw-test.txt"))
+                                               "wikitext-2-raw-test.txt"),
+                    help="the text every file is scored on (never the calibration text)")
+    ap.add_argument("--data_name", default="enwiki",
+                    help="calibration text for the imatrix (stock and Voodoo files alike), the "
+                         "input Hessians and the gates: voodoo's --data_name (enwiki: the "
+                         "Wikipedia sample of the gensim wheel; or a .txt/.jsonl/.parquet)")
     ap.add_argument("--train_args", default="", help="extra flags for voodoo train")
     a = ap.parse_args()
     if not Path(a.eval_text).is_file():   # found now, not after every row's training
         ap.error(f"--eval_text {a.eval_text}: no such file; name the text to score on (e.g. "
                  "wikitext-2-raw-test.txt; never the calibration text)")
+    if "--data_name" in a.train_args:
+        ap.error("give the calibration text as --data_name, not inside --train_args (the "
+                 "caption and the --work check read it)")
+    if Path(a.data_name).is_file() and (
+            Path(a.data_name).resolve() == Path(a.eval_text).resolve()
+            or Path(a.data_name).read_bytes() == Path(a.eval_text).read_bytes()):
+        ap.error(f"--data_name {a.data_name} is the --eval_text: the files would be scored on "
+                 "the text they were calibrated on; give a held-out evaluation text")
     try:
         return run(a)
     except KeyboardInterrupt:
@@ -100,14 +120,20 @@ def run(a) -> int:
     # the work folder's runs, data and shared imatrix belong to one model: another model's
     # would be reused (its imatrix silently, when the shapes agree)
     ident = record_model(prepared)
-    owner = work / "model.txt"
-    if owner.is_file() and owner.read_text().strip() != ident:
-        print(f"vs_stock: error: --work {work} holds the runs of {owner.read_text().strip()}, "
-              f"not of {ident}; pass another --work (or delete that folder)", file=sys.stderr)
-        return 2
+    owner = work / "model.txt"   # the model's identity, then "data: <--data_name>"
+    if owner.is_file():
+        have = owner.read_text().split("\n")
+        had = next((ln[6:] for ln in have[1:] if ln.startswith("data: ")), "enwiki")
+        if have[0].strip() != ident or had != a.data_name:
+            what = (f"the runs of {have[0].strip()}, not of {ident}" if have[0].strip() != ident
+                    else f"runs calibrated on --data_name {had}, not on {a.data_name} (its "
+                         "imatrix, stock files and data would be reused)")
+            print(f"vs_stock: error: --work {work} holds {what}; pass another --work (or "
+                  "delete that folder)", file=sys.stderr)
+            return 2
     work.mkdir(parents=True, exist_ok=True)
     out.mkdir(parents=True, exist_ok=True)
-    owner.write_text(ident + "\n")
+    owner.write_text(f"{ident}\ndata: {a.data_name}\n")
     t0 = time.perf_counter()
     stock = [s.strip().upper() for s in a.stock.split(",") if s.strip()]
     files = {}
@@ -115,7 +141,7 @@ def run(a) -> int:
     for t in stock:
         d = work / f"voodoo-{t}"
         common = ["--model", model, "--output_dir", str(d), "--data_dir", str(work / "data"),
-                  "--imatrix_blocks", "16", "--seed", "0"]
+                  "--imatrix_blocks", "16", "--seed", "0", "--data_name", a.data_name]
         if shared_im.is_file():
             common += ["--imatrix", str(shared_im)]
         rc = voodoo(["train", *common, "--match_size", t, "--max_steps", str(a.max_steps),
@@ -152,7 +178,8 @@ def run(a) -> int:
             v["bar_met"] = bool(v["bar_met"] and v["kld_vs_pr15550"] <= 0.6)
     (out / "results.json").write_text(json.dumps(
         {"rows": rows, "chunks": a.chunks, "model": Path(model).name, "model_id": ident,
-         "eval_text": Path(a.eval_text).name, "ctx": a.ctx, "max_steps": a.max_steps,
+         "eval_text": Path(a.eval_text).name, "data_name": Path(a.data_name).name,
+         "ctx": a.ctx, "max_steps": a.max_steps,
          "train_args": a.train_args, **({"bar": BAR} if is_default else {}),
          "seconds": time.perf_counter() - t0}, indent=1))
     table = format_table(rows, ["file", "bytes", "bpw", "ppl", "kld", "kld_p99_9",
@@ -161,7 +188,8 @@ def run(a) -> int:
                                 "bar_met"])
     caption = (f"{Path(model).name}: llama-perplexity -c {a.ctx} --chunks {a.chunks} "
                f"--kl-divergence on {Path(a.eval_text).name} against the model's reference "
-               f"GGUF; Voodoo: voodoo train --match_size TYPE --max_steps {a.max_steps}"
+               f"GGUF; imatrix, Hessians and gates calibrated on {Path(a.data_name).name}; "
+               f"Voodoo: voodoo train --match_size TYPE --max_steps {a.max_steps}"
                f"{' ' + a.train_args if a.train_args else ''}; size_ok: at or under the stock "
                "file and at most 0.5% smaller; bar_met: size_ok and KLD <= 0.5x stock"
                f"{' and <= 0.6x PR #15550' if is_default else ''}")

@@ -72,6 +72,9 @@ def test_reachable_range_check():
         check_reachable(lo - 1, table, SHAPES)
     with pytest.raises(ValueError, match="outside the reachable range"):
         check_reachable(hi * 1.1, table, SHAPES)
+    # and as Voodoo sizes, for --size users
+    with pytest.raises(ValueError, match=r"choose a --size \(52\.9\.\.100\.0\)"):
+        check_reachable(lo - 1, table, SHAPES)
     # the same range in bits per weight (Q4_0 4.5 .. Q8_0 8.5), for --target_bits users
     with pytest.raises(ValueError, match=r"= 4\.500\.\.8\.500 bits per weight"):
         check_reachable(lo - 1, table, SHAPES)

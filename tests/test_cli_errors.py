@@ -1555,3 +1555,27 @@ def test_eval_text_that_is_the_calibration_text_is_warned(tmp_path, capsys):
         assert ("is the calibration text (--data_name" in err) is want, err
     assert not _warn_eval_is_calibration(SimpleNamespace(eval_text=str(calib),
                                                          data_name="enwiki"))
+
+
+def test_a_short_eval_text_scores_fewer_chunks_and_says_so(tmp_path, capsys):
+    """llama-perplexity scores min(--chunks, tokens // ctx) chunks: a new user's 3,281-token
+    text got 6 chunks while the header and the run's record said --chunks 8. The check now
+    says so and sets --chunks to what will be scored; a long text keeps --chunks."""
+    from types import SimpleNamespace
+
+    from voodoo.cli import _check_eval_text_tokens
+
+    def tokenizer(text):
+        return SimpleNamespace(input_ids=text.split())
+    short = tmp_path / "short.txt"
+    short.write_text("word " * 3281)
+    a = SimpleNamespace(eval_text=str(short), ctx=512, chunks=8)
+    _check_eval_text_tokens(a, tokenizer)
+    assert a.chunks == 6
+    assert "holds 3281 tokens: llama-perplexity scores 6 chunks of 512 on it, not --chunks 8" \
+        in capsys.readouterr().err
+    long = tmp_path / "long.txt"
+    long.write_text("word " * 5000)
+    a = SimpleNamespace(eval_text=str(long), ctx=512, chunks=8)
+    _check_eval_text_tokens(a, tokenizer)
+    assert a.chunks == 8 and "llama-perplexity scores" not in capsys.readouterr().err

@@ -238,3 +238,30 @@ def test_llama_cpps_tokenizer_agrees_on_a_sentencepiece_vocabulary(tmp_path_fact
         llama_tokenize(prep.base_gguf, "one line\nanother")
     res = tokenizer_agreement(prep.base_gguf, tok, "one line\nanother")
     assert res["same"] and res["unreadable"] == ["\n"], res
+
+
+def test_a_bpe_tokenizer_without_the_class_the_converter_reads_names_it(tmp_path):
+    """Phi-3's converter reads a SentencePiece tokenizer.model unless tokenizer_config.json's
+    tokenizer_class is "GPT2Tokenizer" (conversion/phi.py). A new user's Phi-3 with a BPE
+    tokenizer.json was told to copy tokenizer.json and tokenizer_config.json, which were
+    there; the message now names the class, read from the converter's source."""
+    import shutil
+
+    from voodoo.models import ModelPreparationError, prepare_model
+    d = tmp_path / "my-small-model"
+    shutil.copytree(make_tiny("phi3"), d)
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    assert cfg.pop("tokenizer_class") == "GPT2Tokenizer"
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelPreparationError) as ei:   # no class at all
+        prepare_model(d, work_dir=tmp_path / "work")
+    msg = str(ei.value)
+    assert f"{d / 'tokenizer_config.json'} has none: set \"tokenizer_class\": " \
+           "\"GPT2Tokenizer\" there" in msg, msg
+    cfg["tokenizer_class"] = "PreTrainedTokenizerFast"   # another class
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelPreparationError) as ei:
+        prepare_model(d, work_dir=tmp_path / "work")
+    msg = str(ei.value)
+    assert "unless tokenizer_config.json's \"tokenizer_class\" is 'GPT2Tokenizer'" in msg, msg
+    assert f"set \"tokenizer_class\": \"GPT2Tokenizer\" in {d / 'tokenizer_config.json'}" in msg

@@ -647,9 +647,10 @@ def tokenizer_warning(res: dict, gguf_name: str) -> str | None:
             f"{res['n_differ']} of them different (first at token {res['first_diff']}: "
             f"transformers {ctx.get('transformers')} vs llama.cpp {ctx.get('llama.cpp')}). "
             "Voodoo calibrates on transformers' tokens; the GGUF will read text with llama.cpp's "
-            "(chat, server, the eval tables). Usually the converter did not recognise the "
-            "pre-tokenizer (convert_hf_to_gguf.py's get_vocab_base_pre); the quantization "
-            "itself is unaffected")
+            "(chat, server, the eval tables). A few tokens apart is llama.cpp's pre-tokenizer "
+            "regex approximating transformers' (around newlines, digits, punctuation); many "
+            "usually mean the converter chose another pre-tokenizer (convert_hf_to_gguf.py's "
+            "get_vocab_base_pre). The quantization itself is unaffected")
 
 
 def calibration_text(tokenizer, ids: torch.Tensor, n_chars: int = DEFAULT_TOKENIZER_CHARS

@@ -109,7 +109,8 @@ def check_reachable(budget: float, bytes_table: Mapping[str, Sequence[int]], sha
         f"budget {int(budget)} bytes ({budget / q8:.4f} x Q8_0, {budget * bpw:.3f} bpw) is "
         f"outside the reachable range of the menus: {lo}..{hi} bytes = compression ratio "
         f"{lo / q8:.4f}..{hi / q8:.4f} of Q8_0 ({q8} bytes) = {lo * bpw:.3f}..{hi * bpw:.3f} "
-        "bits per weight; choose a --compression_ratio or --target_bits in that range"
+        f"bits per weight; choose a --size ({100 * lo / q8:.1f}..{100 * hi / q8:.1f}), "
+        "--compression_ratio or --target_bits in that range"
         + (f" (the menus of {len(fixed)} of the {len(bytes_table)} tensors come down to one "
            "type, e.g. F16 for rows that are not a multiple of 32)" if fixed else
            " or widen the menus"))

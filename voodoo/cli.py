@@ -821,6 +821,13 @@ def _check_eval_text_tokens(a, tokenizer, gguf=None) -> None:
         raise UsageError(f"--eval_text {a.eval_text}: {n} tokens, but llama-perplexity -c "
                          f"{a.ctx} --chunks {a.chunks} needs at least {need}: give a longer "
                          "text or lower --ctx")
+    whole = Path(a.eval_text).suffix.lower() in (".jsonl", ".parquet") or len(raw) < limit
+    if whole and a.chunks and n < a.chunks * a.ctx:
+        # llama-perplexity scores min(--chunks, tokens // ctx) chunks: said, and the table's
+        # header and the run's record name what was scored
+        log(f"--eval_text {a.eval_text} holds {n} tokens: llama-perplexity scores {n // a.ctx} "
+            f"chunks of {a.ctx} on it, not --chunks {a.chunks}")
+        a.chunks = n // a.ctx
 
 
 def _match_size_target(value) -> int | str:
@@ -1241,6 +1248,12 @@ def _cache(a):
     return CandidateCache(a.cache_dir) if getattr(a, "cache_dir", None) else CandidateCache()
 
 
+def _pct(frac) -> str:
+    """A fraction as a percentage with 2 decimals (``0.99608`` -> ``"99.61%"``); other values
+    (None) as they are."""
+    return f"{100 * frac:.2f}%" if isinstance(frac, (int, float)) else str(frac)
+
+
 def _warn_eval_is_calibration(a) -> bool:
     """Says (one warning line) when ``--eval_text`` is the calibration text ``--data_name``
     itself (the same file, or the same bytes): the table would score text the gates and the
@@ -1493,7 +1506,7 @@ class Run:
             # at the 16-bit log-probs' resolution the estimate may come out a hair below zero
             kld = "below 1e-05"
         log(f"pre-flight: llama.cpp on {base.name} vs transformers: KLD {kld} "
-            f"nats/token, same top-1 {rec['same_top_p']} on {rec['n_tokens']} positions "
+            f"nats/token, same top-1 {_pct(rec['same_top_p'])} on {rec['n_tokens']} positions "
             f"({res.get('n_chunk', n_chunk)} x {n_ctx} tokens, the training length)")
         write_json(path, rec)
         return rec

@@ -791,6 +791,32 @@ def convert_hf_to_f32_gguf(hf_dir: str | os.PathLike, out: str | os.PathLike,
     return out
 
 
+def _converter_tokenizer_class(hf_dir: Path) -> str | None:
+    """The ``tokenizer_class`` value with which the pinned converter's class for this model's
+    architecture (``config.json``'s ``architectures[0]``) reads a BPE tokenizer instead of
+    SentencePiece (e.g. Phi-3's ``'GPT2Tokenizer'``, conversion/phi.py), read from the
+    converter's source at run time; None when it has no such switch or cannot be read."""
+    try:
+        arch = json.loads((hf_dir / "config.json").read_text())["architectures"][0]
+        from .llamacpp import source_dir
+        files = sorted((source_dir() / "conversion").glob("*.py")) or \
+            [source_dir() / "convert_hf_to_gguf.py"]
+    except Exception:  # noqa: BLE001 -- only a hint
+        return None
+    for f in files:
+        try:
+            src = f.read_text(errors="replace")
+        except OSError:
+            continue
+        for part in src.split("@ModelBase.register(")[1:]:
+            head = part.split(")", 1)[0]
+            if f'"{arch}"' not in head and f"'{arch}'" not in head:
+                continue
+            m = re.search(r"tokenizer_class\s*==\s*['\"](\w+)['\"]", part)
+            return m.group(1) if m else None
+    return None
+
+
 def _converter_reason(hf_dir: Path, log: str) -> str:
     lines = [ln for ln in log.splitlines() if ln.strip()]
     tail = "\n".join(lines[-12:])
@@ -811,10 +837,19 @@ def _converter_reason(hf_dir: Path, log: str) -> str:
     elif re.search(r"Cannot find Llama BPE tokenizer|Couldn't instantiate the backend "
                    r"tokenizer|^FileNotFoundError:.*tokenizer[^/\\]*$|Missing \S*tokenizer\.model"
                    r"|has no attribute '?mergeable_ranks", final, re.M):
-        why = ("llama.cpp's converter could not read the tokenizer the way it reads this "
-               "family's: copy the model's original tokenizer files beside config.json "
-               "(tokenizer.model for SentencePiece families, tokenizer.json and "
-               "tokenizer_config.json for BPE ones)")
+        cls = _converter_tokenizer_class(hf_dir)
+        if cls and (hf_dir / "tokenizer.json").is_file() and "tokenizer.model" in final:
+            why = ("llama.cpp's converter reads this family's tokenizer as SentencePiece "
+                   "(tokenizer.model) unless tokenizer_config.json's \"tokenizer_class\" is "
+                   f"{cls!r} (its converter class says so); this folder holds a BPE "
+                   f"tokenizer.json: set \"tokenizer_class\": \"{cls}\" in "
+                   f"{hf_dir / 'tokenizer_config.json'}, or copy the model's original "
+                   "tokenizer.model beside config.json")
+        else:
+            why = ("llama.cpp's converter could not read the tokenizer the way it reads this "
+                   "family's: copy the model's original tokenizer files beside config.json "
+                   "(tokenizer.model for SentencePiece families, tokenizer.json and "
+                   "tokenizer_config.json for BPE ones)")
     elif re.search(r"mmap length is greater than file size|SafetensorError|"
                    r"HeaderTooLarge|incomplete metadata|PytorchStreamReader failed|"
                    r"unexpected EOF|file is not a zip file", final, re.I):
@@ -843,6 +878,12 @@ def _converter_reason(hf_dir: Path, log: str) -> str:
                "config.json keys rope_scaling / rope_parameters), and this config.json has no "
                f"such entry: add \"{key.group(2)}\" with the model's value to its rope_scaling "
                f"(or the top level) of {hf_dir / 'config.json'}")
+    elif key and key.group(2) == "tokenizer_class" and \
+            (cls := _converter_tokenizer_class(hf_dir)):
+        why = (f"llama.cpp's converter reads tokenizer_config.json's \"tokenizer_class\" for "
+               f"this family, and {hf_dir / 'tokenizer_config.json'} has none: set "
+               f"\"tokenizer_class\": \"{cls}\" there for a BPE tokenizer.json (else the "
+               "converter reads a SentencePiece tokenizer.model)")
     elif key:
         why = (f"llama.cpp's convert_hf_to_gguf.py failed on a missing key {key.group(2)!r} "
                "(a config.json key, a tensor name or a special token this family's converter "
