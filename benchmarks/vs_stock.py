@@ -18,7 +18,8 @@ file's and, on the default model, <= 0.6x PR #15550's figure (``PR15550``). Writ
         --out benchmarks/results/vs_stock_rotated --work /tmp/voodoo-vs-stock-rot
 
 The Voodoo files use the CLI's defaults (``--gate_init fisher``: the Fisher knapsack prior,
-then ``--max_steps`` gate-training steps; ``--rounding auto`` since 2026-12-05); ``--train_args`` adds flags. One imatrix (the first
+then ``--max_steps`` gate-training steps; ``--rounding auto`` since 2026-12-05);
+``--train_args`` adds flags. One imatrix (the first
 row's, computed from 16 calibration blocks of ``--data_name``, enwiki by default) serves every
 file. On 2 CPU cores a
 gate-training step of 512 tokens takes about 5 s idle (up to about 30 s on shared cores) and
