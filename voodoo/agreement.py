@@ -610,9 +610,8 @@ def tokenizer_agreement(gguf_path: str | os.PathLike, tokenizer, text: str,
     import difflib
 
     from .ggufio import read_gguf
-    from .llamatext import _replace, untokenizable
-    bad = untokenizable(gguf_path, text)
-    text = _replace(text, bad) if bad else text
+    from .llamatext import readable
+    text, bad = readable(gguf_path, text)
     hf = [int(i) for i in tokenizer(text, add_special_tokens=False).input_ids]
     ll = llama_tokenize(gguf_path, text, timeout=timeout)
     r = read_gguf(gguf_path)

@@ -1123,14 +1123,19 @@ def _lock_run_folder(out: Path, command: str, fix: str = "pass another --output_
     except OSError:
         holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
         os.close(fd)
-        raise UsageError(f"{out} is in use by another Voodoo run ({holder}); wait for it to "
-                         f"finish, or {fix}") from None
+        raise _in_use(out, holder, fix) from None
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"voodoo {command}, pid {os.getpid()} on {os.uname().nodename}".encode(), 0)
     _RUN_LOCKS.append((fd, path))  # locked until the command ends (main releases it)
 
 
 _RUN_LOCKS: list[tuple[int, Path]] = []
+
+
+def _in_use(out, holder: str, fix: str = "pass another --output_dir") -> "UsageError":
+    """The refusal of a run folder that ``holder`` (another command) has locked."""
+    return UsageError(f"{out} is in use by another Voodoo run ({holder}); wait for it to "
+                      f"finish, or {fix}")
 
 
 def _run_folder_holder(out: Path) -> str | None:
@@ -2315,8 +2320,7 @@ def _train(argv, run_all=False):
     if a.output_dir:  # a folder in use is refused before the model is converted and loaded
         holder = _run_folder_holder(Path(a.output_dir))
         if holder is not None:
-            raise UsageError(f"{a.output_dir} is in use by another Voodoo run ({holder}); wait "
-                             "for it to finish, or pass another --output_dir")
+            raise _in_use(a.output_dir, holder)
     r = Run(a)
     r.context()
     _default_rounding(a, r.ctx.specs)

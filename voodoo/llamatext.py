@@ -24,8 +24,8 @@ from typing import Iterable
 
 from .progress import log
 
-__all__ = ["untokenizable", "readable_text", "llama_join", "text_note", "UnreadableTextError",
-           "MIN_READABLE"]
+__all__ = ["untokenizable", "readable", "readable_text", "llama_join", "text_note",
+           "UnreadableTextError", "MIN_READABLE"]
 
 #: the least fraction of a text's non-space characters that must survive the replacement;
 #: below it the text is refused (it would be scored as mostly blanks)
@@ -114,17 +114,22 @@ def _nonspace(text: str) -> int:
     return sum(1 for ch in text if not ch.isspace())
 
 
+def readable(gguf_path: str | os.PathLike, text: str) -> tuple[str, list[str]]:
+    """``(text with every character llama.cpp cannot read with gguf_path's vocabulary replaced
+    by a space, those characters)``; the text unchanged and ``[]`` when it reads them all."""
+    bad = untokenizable(gguf_path, text)
+    return (_replace(text, bad) if bad else text), bad
+
+
 def llama_join(gguf_path: str | os.PathLike, pieces: Iterable[str], what: str = "text") -> str:
     """``"\\n".join(pieces)`` made readable for llama.cpp with ``gguf_path``'s vocabulary:
     pieces are joined by a newline, or a space when the vocabulary cannot read a newline, and
     any other character it cannot read becomes a space (said once on stderr, naming ``what``).
     For decoded calibration or eval blocks handed to llama-imatrix / llama-perplexity."""
     sep = "\n" if not untokenizable(gguf_path, "\n") else " "
-    text = sep.join(pieces)
-    bad = untokenizable(gguf_path, text)
+    text, bad = readable(gguf_path, sep.join(pieces))
     if bad:
         _say(what, bad)
-        text = _replace(text, bad)
     return text
 
 
