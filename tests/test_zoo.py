@@ -169,6 +169,58 @@ def test_preflight_catches_a_config_llama_cpp_runs_differently(config, zoo_confi
     assert ei.value.result["kld_mean"] > 1e-2
 
 
+#: a tiny AFMoE (Arcee's Trinity) with muP input scaling, which llama.cpp applies to every
+#: afmoe model and transformers only with ``mup_enabled`` (the published checkpoints set it)
+_AFMOE = dict(model_type="afmoe", hidden_size=128, intermediate_size=256,
+              moe_intermediate_size=128, num_hidden_layers=4, num_dense_layers=1,
+              num_experts=4, num_experts_per_tok=2, num_shared_experts=1, route_scale=2.0,
+              sliding_window=32, global_attn_every_n_layers=4, mup_enabled=True,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=32)
+
+
+def test_preflight_names_the_settings_the_converter_looked_for_and_did_not_find(
+        tmp_path, converter_ready):
+    """AFMoE as transformers 5.25 saves it has no ``route_norm``. Its converter class writes
+    llama.cpp's router-weight normalisation only when config.json names it, so llama.cpp does
+    not renormalise the top-k weights that transformers does renormalise: the pre-flight
+    stops it, and its message names the key that the converter looked for and config.json
+    lacks. With ``"route_norm": true`` in config.json, as the published checkpoints have,
+    the two agree, and nothing is named. Generic probing by the converter's base class
+    (``rope_scaling`` and the like) is never named."""
+    from voodoo.agreement import AgreementError, preflight
+    from voodoo.models import converter_defaults, load_hf_model, prepare_model
+    from zoo import _build
+    plain = _build("AfmoeForCausalLM", _AFMOE, {}, tmp_path / "afmoe", 0)
+    prep = prepare_model(plain, work_dir=tmp_path / "c1")
+    assert converter_defaults(prep.base_gguf) == ["route_norm"]
+    model = load_hf_model(prep)
+    tokens = zoo_tokens(model.config.vocab_size, 2, 128)
+    with pytest.raises(AgreementError, match="skip_preflight") as ei:
+        preflight(model, prep.base_gguf, tokens)
+    assert ei.value.result["kld_mean"] > 1e-2
+    assert "`route_norm`" in str(ei.value) and "rope_scaling" not in str(ei.value)
+    print(f"without route_norm: KLD {ei.value.result['kld_mean']:.3g}")
+
+    named = _build("AfmoeForCausalLM", _AFMOE, {"config_json": {"route_norm": True}},
+                   tmp_path / "afmoe_norm", 0)
+    prep = prepare_model(named, work_dir=tmp_path / "c2")
+    assert converter_defaults(prep.base_gguf) == []
+    res = preflight(load_hf_model(prep), prep.base_gguf, tokens)
+    assert res["kld_mean"] < MAX_KLD and res["converter_defaults"] == []
+
+
+def test_a_work_dir_holding_another_models_conversion_is_converted_again(tmp_path,
+                                                                         converter_ready):
+    """prepare_model(work_dir=...) given a folder that holds another model's F32 GGUF converts
+    this model again instead of reusing the other one's file."""
+    from voodoo.ggufio import read_gguf
+    from voodoo.models import prepare_model
+    a = prepare_model(make_tiny("qwen3"), work_dir=tmp_path / "w")
+    b = prepare_model(make_tiny("llama"), work_dir=tmp_path / "w")
+    arch = read_gguf(b.base_gguf).fields["general.architecture"].contents()
+    assert a.base_gguf == b.base_gguf and arch == "llama", arch
+
+
 def test_make_tiny_is_deterministic(tmp_path):
     from safetensors.torch import load_file
     a = make_tiny("qwen3", tmp_path / "a", seed=3)

@@ -436,7 +436,9 @@ def preflight(hf_model: torch.nn.Module, f32_gguf: str | os.PathLike, tokens: to
             smallest disagreement seen (3e-3).
         kwargs: passed to :func:`llama_vs_torch` (``threads``, ``timeout``, ``work_dir``).
 
-    Returns the :func:`llama_vs_torch` dict (plus ``"max_kld"``).
+    Returns the :func:`llama_vs_torch` dict plus ``"max_kld"`` and, for a GGUF Voodoo
+    converted, ``"converter_defaults"`` (:func:`voodoo.models.converter_defaults`: settings the
+    converter looked for and config.json lacks, which the failure message names).
 
     Raises:
         AgreementError: mean KLD above ``max_kld``. The message names the KLD and the same
@@ -478,6 +480,10 @@ def preflight(hf_model: torch.nn.Module, f32_gguf: str | os.PathLike, tokens: to
             "every later step runs llama.cpp on this file); use a configuration llama.cpp "
             "supports, or a llama.cpp that runs it", e.reason, f32_gguf, e.crashed) from None
     res["max_kld"] = max_kld
+    from .models import converter_defaults
+    looked_for = converter_defaults(f32_gguf)
+    if looked_for is not None:
+        res["converter_defaults"] = looked_for
     if not res["kld_mean"] <= max_kld:          # also catches nan
         top = res.get("same_top_p")
         top_s = f"{100 * top:.2f}%" if top is not None else "n/a"
@@ -494,8 +500,22 @@ def preflight(hf_model: torch.nn.Module, f32_gguf: str | os.PathLike, tokens: to
             "optimises the KLD of the torch model, which would not be the KLD of what llama.cpp "
             "serves. Fix the config or the llama.cpp version (a sliding window shows only in "
             f"chunks longer than it: these are the training length, --seq_len {res['n_ctx']}); "
-            "to go on anyway, pass --skip_preflight.", res)
+            "to go on anyway, pass --skip_preflight." + _defaults_hint(looked_for), res)
     return res
+
+
+def _defaults_hint(looked_for: list[str] | None) -> str:
+    """The pre-flight failure's line on the settings llama.cpp's converter looked for and did
+    not find (:func:`voodoo.models.converter_defaults`); "" when there were none."""
+    if not looked_for:
+        return ""
+    names = ", ".join(f"`{k}`" for k in looked_for[:12]) + (
+        f" and {len(looked_for) - 12} more" if len(looked_for) > 12 else "")
+    return (f" Settings this model's converter class looked for and config.json does not give "
+            f"(llama.cpp then uses its default for each, which need not be what transformers "
+            f"does): {names}. If the model as published names any of them in its config.json "
+            "(a config.json that transformers wrote from its own class leaves out keys that "
+            "class does not use), add it to config.json.")
 
 
 #: Tokens llama.cpp looks up by text for a model whose ``general.name`` contains "phi3" or

@@ -41,7 +41,7 @@ __all__ = [
     "dequantizing_config", "default_model", "make_tiny_model",
     "gguf_to_f32", "convert_hf_to_f32_gguf", "ModelPreparationError", "sha256_file",
     "DEFAULT_MODEL_WHEEL", "model_name_from_path", "converter_info", "converter_flags",
-    "converter_options", "converter_command",
+    "converter_options", "converter_command", "converter_defaults",
 ]
 
 
@@ -445,9 +445,14 @@ def _prepare_hf_dir(d: Path, work_dir, name: str | None = None,
         key = hashlib.sha256(f"{key}\0{json.dumps(flags)}".encode()).hexdigest()[:16]
     out = _cache_dir(key, work_dir, source=d)
     base = out / "base-f32.gguf"
-    if not base.is_file() or not _base_intact(base):
+    # an explicit work_dir may hold another model's conversion: the key it was made for
+    made_for = out / "base-f32.key"
+    other = work_dir is not None and made_for.is_file() and made_for.read_text().strip() != key
+    if other or not base.is_file() or not _base_intact(base):
         convert_hf_to_f32_gguf(d, base, extra_args=flags)
         _record_written(base)
+        from .fsutil import atomic_write_text
+        atomic_write_text(made_for, key + "\n")
     return PreparedModel(d, base, base, name or model_name_from_path(d), "hf", tuple(flags))
 
 
@@ -689,7 +694,74 @@ def load_hparams(dir_model, is_mistral_format, *a, **kw):
     return config
 
 _base.ModelBase.load_hparams = staticmethod(load_hparams)
-runpy.run_path(str(script), run_name="__main__")
+
+# the settings the architecture's own converter class looked for and found nowhere (so it
+# wrote llama.cpp's default, or nothing): printed as one line at exit for
+# convert_hf_to_f32_gguf. Reads by code of another module (conversion/base.py's generic
+# probing: rope_scaling, text_config, ...; a parent class's optional features) are left out.
+_missed = {}
+_quiet = [0]
+
+def _miss(k):
+    if _quiet[0] or not isinstance(k, str):
+        return
+    f = sys._getframe(1)
+    while f is not None and (f.f_code.co_filename == "<string>"
+                             or f.f_code.co_name == "find_hparam"):   # and overrides of it
+        f = f.f_back
+    if f is None:
+        return
+    owner = f.f_locals.get("self", f.f_locals.get("cls"))
+    owner = owner if isinstance(owner, type) else type(owner)
+    if owner.__module__ == f.f_globals.get("__name__") != "conversion.base":
+        _missed.setdefault(k, None)
+
+class _Watched(dict):
+    def get(self, k, *d):
+        if not dict.__contains__(self, k):
+            _miss(k)
+        return dict.get(self, k, *d)
+
+    def __contains__(self, k):
+        r = dict.__contains__(self, k)
+        if not r:
+            _miss(k)
+        return r
+
+def _get_hparams(self):
+    return self.__dict__.get("_voodoo_hparams")
+
+def _set_hparams(self, v):
+    self.__dict__["_voodoo_hparams"] = _Watched(v) if type(v) is dict else v
+
+if "hparams" not in vars(_base.ModelBase):   # (a converter whose class defines it: untouched)
+    _base.ModelBase.hparams = property(_get_hparams, _set_hparams)
+_orig_find = getattr(_base.ModelBase, "find_hparam", None)
+
+def find_hparam(self, keys, optional=False):
+    keys, found = list(keys), True
+    _quiet[0] += 1
+    try:
+        found = any(dict.__contains__(self.hparams, k) for k in keys)
+        return _orig_find(self, keys, optional)
+    finally:
+        _quiet[0] -= 1
+        if not found:
+            _miss(" | ".join(keys))
+
+if _orig_find is not None:
+    _base.ModelBase.find_hparam = find_hparam
+
+def _say_missed():   # after a conversion that succeeded (a failure's last lines stay its own)
+    print("[voodoo] converter defaults: " + json.dumps(list(_missed)), flush=True)
+
+try:
+    runpy.run_path(str(script), run_name="__main__")
+except SystemExit as e:
+    if e.code in (None, 0):
+        _say_missed()
+    raise
+_say_missed()
 """
 
 
@@ -787,8 +859,49 @@ def convert_hf_to_f32_gguf(hf_dir: str | os.PathLike, out: str | os.PathLike,
             f"llama.cpp's convert_hf_to_gguf.py wrote no tensors for {hf_dir}: the folder has "
             "no readable weights (model.safetensors, model-*.safetensors with its index, or "
             "pytorch_model.bin); copy them beside config.json")
+    from .fsutil import atomic_write_text
+    atomic_write_text(converter_defaults_path(out),
+                      json.dumps({"looked_for": _converter_defaults(r.stdout)}) + "\n")
     os.replace(tmp, out)
     return out
+
+
+#: the line :data:`_CONVERTER_SHIM` prints at exit, followed by a JSON list
+_DEFAULTS_LINE = "[voodoo] converter defaults: "
+
+
+def _converter_defaults(log: str) -> list[str]:
+    """The settings the converter's architecture class looked for in the model's hparams and
+    did not find, from the shim's last :data:`_DEFAULTS_LINE` in ``log`` (``"a | b"`` for a
+    ``find_hparam`` group none of whose names was there); [] when there is no such line."""
+    for line in reversed(log.splitlines()):
+        if line.startswith(_DEFAULTS_LINE):
+            try:
+                v = json.loads(line[len(_DEFAULTS_LINE):])
+            except ValueError:
+                return []
+            return [str(k) for k in v] if isinstance(v, list) else []
+    return []
+
+
+def converter_defaults_path(gguf: str | os.PathLike) -> Path:
+    """Where :func:`convert_hf_to_f32_gguf` records, beside the GGUF it wrote, the settings
+    the converter looked for and did not find (``{"looked_for": [...]}``, JSON)."""
+    g = Path(gguf)
+    return g.with_name(g.stem + ".converter-defaults.json")
+
+
+def converter_defaults(gguf: str | os.PathLike) -> list[str] | None:
+    """The settings llama.cpp's converter looked for in config.json and did not find when it
+    wrote ``gguf`` (llama.cpp then uses its own default, which may not be what transformers
+    does: e.g. a router-weight normalisation the converter writes only when config.json names
+    it); conversion/base.py's generic probing is left out. None when not recorded (a GGUF
+    Voodoo did not convert, or one converted before this record existed)."""
+    try:
+        v = json.loads(converter_defaults_path(gguf).read_text())["looked_for"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return [str(k) for k in v] if isinstance(v, list) else None
 
 
 def _converter_tokenizer_class(hf_dir: Path) -> str | None:
