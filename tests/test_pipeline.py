@@ -200,7 +200,8 @@ def test_sizes_predicted_equal_written(tiny_run):
 def test_interrupted_train_resumes_to_the_same_assignment(tiny_run, tmp_path):
     """3. ``voodoo train --stop_after 3`` then the same command again (resuming from the
     journal, with another save interval) bakes exactly the assignment of the uninterrupted
-    ``voodoo run``."""
+    ``voodoo run``; the resume adds the tokenizer comparison to a ``preflight.json`` kept
+    without one."""
     out = tmp_path / "resumed"
     argv = ["train", "--model", str(tiny_run["model"]), "--output_dir", str(out), *COMMON,
             *TRAIN, "--data_dir", str(tiny_run["out"] / "data"),
@@ -212,8 +213,14 @@ def test_interrupted_train_resumes_to_the_same_assignment(tiny_run, tmp_path):
     import torch
     j = torch.load(out / "train" / "partial.pt", weights_only=True)
     assert j["step"] == 3
+    # a preflight.json kept before the tokenizers were compared gets the comparison on resume
+    pre = out / "preflight.json"
+    old = json.loads(pre.read_text())
+    pre.write_text(json.dumps({k: v for k, v in old.items() if k != "tokenizer"}))
     rc, stdout, stderr = run_cli(argv[:-4] + ["--partial_save_interval", "5"] + argv[-4:])
     assert rc == 0, stderr[-3000:]
+    assert json.loads(pre.read_text()) == old, "the tokenizer comparison was not added"
+    assert "llama.cpp's tokenizer agrees with transformers'" in stderr
     (asg,) = out.glob("*.assignment.json")
     resumed = json.loads(asg.read_text())
     straight = json.loads(tiny_run["assignment"].read_text())

@@ -1480,6 +1480,9 @@ class Run:
                 old = _json.loads(path.read_text())
                 if old.get("base_sha256") == key and old.get("ok") and \
                         int(old.get("n_ctx") or 0) >= n_ctx:
+                    if "tokenizer" not in old:   # kept before the tokenizers were compared
+                        old["tokenizer"] = self._tokenizer_check(base)
+                        write_json(path, old)
                     return old
             except ValueError:
                 pass

@@ -695,10 +695,11 @@ def load_hparams(dir_model, is_mistral_format, *a, **kw):
 
 _base.ModelBase.load_hparams = staticmethod(load_hparams)
 
-# the settings the architecture's own converter class looked for and found nowhere (so it
-# wrote llama.cpp's default, or nothing): printed as one line at exit for
-# convert_hf_to_f32_gguf. Reads by code of another module (conversion/base.py's generic
-# probing: rope_scaling, text_config, ...; a parent class's optional features) are left out.
+# the settings the architecture's own converter class read with .get() or find_hparam() and
+# found nowhere (so it wrote llama.cpp's default, or nothing): printed as one line after a
+# conversion that succeeded, for convert_hf_to_f32_gguf. Left out: `key in hparams` tests
+# (format detection: an EAGLE draft's `draft_vocab_size`) and reads by code of another module
+# (conversion/base.py's generic probing: rope_scaling, text_config, ...; a parent class's).
 _missed = {}
 _quiet = [0]
 
@@ -721,12 +722,6 @@ class _Watched(dict):
         if not dict.__contains__(self, k):
             _miss(k)
         return dict.get(self, k, *d)
-
-    def __contains__(self, k):
-        r = dict.__contains__(self, k)
-        if not r:
-            _miss(k)
-        return r
 
 def _get_hparams(self):
     return self.__dict__.get("_voodoo_hparams")
