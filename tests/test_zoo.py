@@ -221,6 +221,30 @@ def test_a_work_dir_holding_another_models_conversion_is_converted_again(tmp_pat
     assert a.base_gguf == b.base_gguf and arch == "llama", arch
 
 
+def test_yarn_without_truncation_is_loaded_as_ggml_computes_it(tmp_path, converter_ready):
+    """A YaRN RoPE with ``truncate: false`` (gpt-oss's default in transformers): ggml always
+    rounds the correction range, transformers does not, and the two differ more the farther
+    apart the tokens (window out of play here). load_hf_model loads it with truncate true:
+    llama.cpp and the torch model then agree."""
+    from transformers import AutoModelForCausalLM
+
+    from voodoo.agreement import llama_vs_torch
+    from voodoo.models import load_hf_model, prepare_model
+    from zoo import GPT_OSS, _build
+    arch, cfg, extra = GPT_OSS
+    d = _build(arch, dict(cfg, sliding_window=256), extra, tmp_path / "oss", 0)
+    assert json.loads((d / "config.json").read_text())["rope_parameters"]["truncate"] is False
+    prep = prepare_model(d, work_dir=tmp_path / "c")
+    tokens = zoo_tokens(json.loads((d / "config.json").read_text())["vocab_size"], 2, 128)
+    raw = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    before = llama_vs_torch(prep.base_gguf, raw, tokens)["kld_mean"]
+    model = load_hf_model(prep)
+    assert model.config.rope_parameters["truncate"] is True
+    after = llama_vs_torch(prep.base_gguf, model, tokens)["kld_mean"]
+    print(f"YaRN truncate false: KLD {before:.3g}; loaded as ggml computes it: {after:.3g}")
+    assert before > 1e-3 and after < MAX_KLD, (before, after)
+
+
 def test_make_tiny_is_deterministic(tmp_path):
     from safetensors.torch import load_file
     a = make_tiny("qwen3", tmp_path / "a", seed=3)

@@ -1042,9 +1042,8 @@ def build_teacher(ctx: Context, teacher_quant: str = "BF16", keys=None, cache=No
 
     import cython_ggml as cg
     if checkpoint:
-        from transformers import AutoModelForCausalLM
-        return hf_from_pretrained(AutoModelForCausalLM, checkpoint,
-                                  dtype=torch.float32).eval()
+        from .models import load_hf_model  # as the student is loaded (YaRN as ggml computes it)
+        return load_hf_model(checkpoint, dtype=torch.float32).eval()
     tq = teacher_quant.upper()
     if tq not in ("BF16", "Q8_0", "F32"):
         raise ValueError(f"--teacher_quant must be BF16, Q8_0 or F32, not {teacher_quant!r}")
