@@ -1579,3 +1579,21 @@ def test_a_short_eval_text_scores_fewer_chunks_and_says_so(tmp_path, capsys):
     a = SimpleNamespace(eval_text=str(long), ctx=512, chunks=8)
     _check_eval_text_tokens(a, tokenizer)
     assert a.chunks == 8 and "llama-perplexity scores" not in capsys.readouterr().err
+
+
+def test_a_gguf_path_that_is_not_there_names_the_files_beside_it(tmp_path):
+    """``--gguf runs/main/X.Voodoo55.gguf`` (the name without its file-type badge) names the
+    exported ``X.Voodoo55_Q4_K_S.gguf`` beside it; a folder without GGUFs adds nothing."""
+    from voodoo import cli
+    (tmp_path / "X.Voodoo55_Q4_K_S.gguf").write_bytes(b"GGUF")
+    (tmp_path / "stock.IQ4_XS.gguf").write_bytes(b"GGUF")
+    with pytest.raises(cli.UsageError) as ei:
+        cli._check_model_gguf(tmp_path / "X.Voodoo55.gguf")
+    msg = str(ei.value)
+    assert "no such file; did you mean" in msg and "X.Voodoo55_Q4_K_S.gguf?" in msg, msg
+    assert "stock.IQ4_XS" not in msg, msg
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(cli.UsageError) as ei:
+        cli._check_model_gguf(empty / "X.gguf")
+    assert str(ei.value).endswith("X.gguf: no such file"), str(ei.value)

@@ -561,6 +561,21 @@ def _check_local_device(a) -> None:
                              "device(s)")
 
 
+def _nearby_ggufs(p: Path) -> str:
+    """"; did you mean …" naming the GGUFs in ``p``'s folder whose names start like ``p``'s
+    (an exported name carries a file-type badge: ``….Voodoo55_Q4_K_S.gguf``), else the
+    folder's GGUFs when it holds a few; "" when there are none."""
+    try:
+        have = sorted(f.name for f in p.parent.glob("*.gguf") if f.is_file())
+    except OSError:
+        return ""
+    stem = p.name.removesuffix(".gguf")
+    like = [n for n in have if n.startswith(stem)] or (have if len(have) <= 4 else [])
+    if not like:
+        return ""
+    return "; did you mean " + " or ".join(str(p.parent / n) for n in like[:4]) + "?"
+
+
 def _check_model_gguf(path, flag: str = "--gguf",
                       hint: str = "the model GGUF, e.g. the <name>.gguf that `voodoo export` "
                                   "wrote") -> None:
@@ -569,7 +584,7 @@ def _check_model_gguf(path, flag: str = "--gguf",
     give instead. Raises UsageError."""
     p = Path(path)
     if not p.is_file():
-        raise UsageError(f"{flag} {path}: no such file")
+        raise UsageError(f"{flag} {path}: no such file" + _nearby_ggufs(p))
     try:
         from .ggufio import read_gguf
         arch = read_gguf(p).get_field("general.architecture")
