@@ -412,7 +412,8 @@ def test_sigint_during_cli_export_leaves_no_file(sig, status, word, tiny_fixed, 
         "g = c.CandidateCache.get\n"
         "def slow(self, key):\n"
         "    r = g(self, key)\n"
-        "    if r is not None and '--in-export' in sys.argv[-1:]: time.sleep(0.5)\n"
+        "    if r is not None and '--in-export' in sys.argv[-1:]:\n"
+        "        print('LOOKUP', flush=True); time.sleep(0.5)\n"
         "    return r\n"
         "c.CandidateCache.get = slow\n"
         "import voodoo.pipeline as p\n"
@@ -429,7 +430,11 @@ def test_sigint_during_cli_export_leaves_no_file(sig, status, word, tiny_fixed, 
                             cwd=REPO)
     line = proc.stdout.readline()
     assert "EXPORTING" in line, proc.communicate()[1][-2000:]
-    time.sleep(2.0)
+    # signal once the export is inside its (slowed) tensor loop, whatever the machine's load:
+    # a fixed sleep let a loaded machine's export finish first
+    for _ in range(3):
+        line = proc.stdout.readline()
+        assert "LOOKUP" in line, (line, proc.communicate()[1][-2000:])
     proc.send_signal(sig)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == status, err[-2000:]
