@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -511,6 +512,14 @@ def test_export_uses_the_assignments_folder_and_refuses_another_imatrix(
     assert rc == 0, err[-3000:]
     assert (other / asg.name.replace(".assignment.json", ".gguf")).is_file(), stdout
     assert not (other / "imatrix.gguf").exists()
+    # ... and, with no dataset flags, its calibration data too, read where it is (it was rebuilt
+    # from the defaults in the new folder, and then refused as other calibration tokens)
+    fourth = tmp_path / "fourth"
+    rc, stdout, err = run_cli(["export", "--assignment", str(asg), "--output_dir", str(fourth)])
+    assert rc == 0, err[-3000:]
+    assert f"calibration data: {out.resolve() / 'data'}, the assignment's run folder's" in err
+    assert (fourth / g.name).read_bytes() == g.read_bytes()
+    assert not (fourth / "data").exists() and not (out / "data.previous").exists()
     # ... and once that one is gone, the fresh imatrix of other calibration flags is refused
     (out / "imatrix.gguf").unlink()
     third = tmp_path / "third"
@@ -1497,8 +1506,12 @@ def test_a_compressed_eval_text_is_named_as_compressed(tmp_path):
     f = tmp_path / "wiki.test.raw.gz"
     f.write_bytes(gzip.compress(b"some text\n" * 1000))
     with pytest.raises(UsageError, match=r"wiki.test.raw.gz is a gzip-compressed file, not "
-                                         r"text; decompress it first \(`gunzip -k "):
+                                         r"text; decompress it first \(`gunzip -c ") as e:
         _check_eval_text_tokens(SimpleNamespace(eval_text=str(f), ctx=512, chunks=8), None)
+    # the command as printed works from anywhere: the path as given, quoted
+    cmd = re.search(r"\(`(.+)`\)", str(e.value)).group(1)
+    subprocess.run(["bash", "-c", cmd], cwd="/", check=True)
+    assert (tmp_path / "wiki.test.raw").read_bytes() == b"some text\n" * 1000
 
 
 def test_ray_runs_sharing_a_run_folder_or_an_unwritable_storage_path(tiny_fixed, tmp_path):  # noqa: F811,E501

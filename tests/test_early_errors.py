@@ -123,9 +123,11 @@ def test_output_dir_that_is_a_file(tiny_fixed, tmp_path):  # noqa: F811
      ["--size and --compression_ratio both set a budget"]),
     (["--size", "0"], ["--size 0:", "in (0, 100]", "--size 55 for Voodoo55"]),
     (["--size", "120"], ["--size 120:", "in (0, 100]"]),
-    # --size 55 is --compression_ratio 0.55
+    # --size 55 is --compression_ratio 0.55, and the message names the flag given
     (["--size", "55", "--target_bits", "4"],
-     ["--compression_ratio and --target_bits both set a budget"]),
+     ["--size and --target_bits both set a budget"]),
+    (["--size", "55", "--match_size", "Q4_K_M"],
+     ["--match_size and --size both set a budget"]),
     # data parallel: 2 workers cannot share a batch of 1 (found by the workers, once, only after
     # every preparation stage)
     (["--ray", "--num_workers", "2", "--batch_size", "1"],

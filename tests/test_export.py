@@ -4,6 +4,7 @@ tensor-type file and the same imatrix reproduces it byte for byte; llama.cpp loa
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 
 import numpy as np
@@ -214,6 +215,7 @@ def test_a_full_disk_is_named_as_such(tiny_prepared, tmp_path, monkeypatch):
     mounted = shutil.which("mount") and os.geteuid() == 0 and subprocess.run(
         ["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(small)],
         capture_output=True).returncode == 0
+    real_write = GGUFWriter.write_tensor_data
     try:
         if not mounted:
             def full(self, tensor):
@@ -221,9 +223,15 @@ def test_a_full_disk_is_named_as_such(tiny_prepared, tmp_path, monkeypatch):
             monkeypatch.setattr(GGUFWriter, "write_tensor_data", full)
         asg = {"token_embd.weight": "Q8_0"}   # the file is MBs: more than the 256 KiB mount
         with pytest.raises(ExportError, match=r"no space left on the device of .*small while "
-                                              r"writing out.gguf \(\d+ MiB free, at least \d+ MiB"):
+                                              r"writing out.gguf \([\d.]+ MiB free, at least "
+                                              r"[\d.]+ MiB") as e:
             export_gguf(base, asg, _lookup_from(base, {}), small / "out.gguf")
         assert list(small.iterdir()) == []
+        # "needed" is the whole file's size, metadata (the tokenizer) included, to 0.1 MiB
+        need = float(re.search(r"at least ([\d.]+) MiB", str(e.value)).group(1))
+        monkeypatch.setattr(GGUFWriter, "write_tensor_data", real_write)
+        size = export_gguf(base, asg, _lookup_from(base, {}), tmp_path / "out.gguf").stat().st_size
+        assert abs(need - size / 2**20) <= 0.06, (need, size / 2**20)
     finally:
         if mounted:
             subprocess.run(["umount", str(small)], check=True)

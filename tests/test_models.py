@@ -43,7 +43,7 @@ def test_model_name_from_path():
     assert model_name_from_path("/models/Qwen2.5-0.5B") == "Qwen2.5-0.5B"
 
 
-def test_missing_path_and_wrong_files(tmp_path):
+def test_missing_path_and_wrong_files(tmp_path, monkeypatch):
     with pytest.raises(ModelPreparationError, match="no such file or folder"):
         prepare_model(tmp_path / "nope")
     (tmp_path / "w.bin").write_bytes(b"x")
@@ -52,6 +52,24 @@ def test_missing_path_and_wrong_files(tmp_path):
     (tmp_path / "bad.gguf").write_bytes(b"not a gguf")
     with pytest.raises(ModelPreparationError, match="not a readable GGUF"):
         prepare_model(tmp_path / "bad.gguf", work_dir=tmp_path / "w")
+    # a Voodoo export as the model: said before anything is converted (the conversion stubbed
+    # out: this GGUF holds no tensors)
+    import voodoo.models as vm
+    from gguf import GGUFWriter
+
+    def no_conversion(path, hf_dir, arch):
+        raise ModelPreparationError("transformers could not load it (stub)")
+    monkeypatch.setattr(vm, "_gguf_to_hf", no_conversion)
+    w = GGUFWriter(str(tmp_path / "m.Voodoo55_Q4_K_S.gguf"), "llama")
+    w.add_string("voodoo.model", "m@sha256:0123")
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    w.close()
+    with pytest.warns(UserWarning, match=r"m.Voodoo55_Q4_K_S.gguf is a Voodoo export \(of "
+                                         r"m@sha256:0123\): its weights are already quantized"):
+        with pytest.raises(ModelPreparationError, match="transformers could not load"):
+            prepare_model(tmp_path / "m.Voodoo55_Q4_K_S.gguf", work_dir=tmp_path / "w2")
     (tmp_path / "empty").mkdir()
     with pytest.raises(ModelPreparationError, match="no config.json"):
         prepare_model(tmp_path / "empty")

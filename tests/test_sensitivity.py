@@ -217,14 +217,15 @@ def test_prior_from_student_prefers_the_accurate_candidate_under_a_loose_budget(
     assert set(z) == set(mixed_weights(student))
 
 
-def test_fisher_cache_roundtrip(tmp_path):
+def test_fisher_cache_roundtrip(tmp_path, capsys):
     m = tiny_llama()
     b = blocks(2)
     f1 = load_or_compute_fisher(m, SPECS, b, tmp_path, "tiny", progress=False)
     (path,) = tmp_path.glob("fisher-*.pt")
     mtime = path.stat().st_mtime_ns
-    f2 = load_or_compute_fisher(m, SPECS, b, tmp_path, "tiny", progress=False)
+    f2 = load_or_compute_fisher(m, SPECS, b, tmp_path, "tiny", progress=True)
     assert path.stat().st_mtime_ns == mtime
+    assert f"Fisher diagonal: taken from the cache ({path})" in capsys.readouterr().err
     assert all(torch.equal(f1[k], f2[k]) for k in f1)
     path.write_bytes(b"torn")  # a torn file is recomputed and replaced
     f3 = load_or_compute_fisher(m, SPECS, b, tmp_path, "tiny", progress=False)

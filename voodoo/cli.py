@@ -705,6 +705,7 @@ def _check_inputs_early(a) -> None:
                          " tokens; llama-perplexity prints no KLD below 100: raise --chunks or "
                          "--ctx")
     size = getattr(a, "size", None)
+    ratio_flag = "--size" if size is not None else "--compression_ratio"   # what the user gave
     if size is not None:   # --size 55 is --compression_ratio 0.55
         if getattr(a, "compression_ratio", None) is not None:
             raise UsageError("--size and --compression_ratio both set a budget; give one")
@@ -714,7 +715,7 @@ def _check_inputs_early(a) -> None:
         a.compression_ratio, a.size = size / 100.0, None
     if getattr(a, "compression_ratio", None) is not None and \
             getattr(a, "target_bits", None) is not None:
-        raise UsageError("--compression_ratio and --target_bits both set a budget; give one")
+        raise UsageError(f"{ratio_flag} and --target_bits both set a budget; give one")
     for flag, example in (("compression_ratio", "0.55 (55% of the Q8_0 size)"),
                           ("target_bits", "5 (bits per weight)")):
         v = getattr(a, flag, None)
@@ -753,10 +754,11 @@ def _check_inputs_early(a) -> None:
                          "the calibration text)")
     if getattr(a, "match_size", None):
         _match_size_target(a.match_size)
-        given = [f for f in ("compression_ratio", "target_bits")
-                 if getattr(a, f, None) is not None]
+        given = [f for f, attr in ((ratio_flag, "compression_ratio"),
+                                   ("--target_bits", "target_bits"))
+                 if getattr(a, attr, None) is not None]
         if given:
-            raise UsageError(f"--match_size and --{given[0]} both set a budget; give one")
+            raise UsageError(f"--match_size and {given[0]} both set a budget; give one")
     text = getattr(a, "eval_text", None)
     if text and not Path(text).is_file():
         raise UsageError(f"--eval_text {text}: no such file"
@@ -808,7 +810,7 @@ def _check_eval_text_tokens(a, tokenizer, gguf=None) -> None:
     packed = compressed_format(a.eval_text)
     if packed:
         raise UsageError(f"--eval_text {a.eval_text} is a {packed[0]}-compressed file, not "
-                         f"text; decompress it first (`{packed[1]} {Path(a.eval_text).name}`)")
+                         f"text; decompress it first (`{packed[1]}`)")
     if Path(a.eval_text).suffix.lower() in (".jsonl", ".parquet"):   # scored on its texts
         try:
             text = "\n\n".join(read_documents(a.eval_text)[0])
@@ -1455,11 +1457,15 @@ class Run:
             self.budget = hi
         check_reachable(self.budget, self.table, self.ctx.shapes)
 
+    def data_dir(self) -> Path:
+        """The dataset folder: ``--data_dir``, else ``<output_dir>/data``."""
+        return Path(self.a.data_dir) if self.a.data_dir else self.out / "data"
+
     def data(self):
         from .pipeline import ensure_dataset
         a = self.a
         with self.timer("data"):
-            d = Path(a.data_dir) if a.data_dir else self.out / "data"
+            d = self.data_dir()
             n_train, up_to = _train_blocks_asked(a)
             self.train_blocks, self.eval_blocks, self.meta = ensure_dataset(
                 self.ctx, d, a.data_name, a.seq_len, n_train, a.n_eval_blocks, a.seed,
@@ -1680,12 +1686,17 @@ class Run:
             from .provenance import ProvenanceError
             raise ProvenanceError(
                 f"{expect[1]} was trained on other calibration tokens (sha256 "
-                f"{expect[0][:12]}…) than {self.out / 'data'} holds now (sha256 "
+                f"{expect[0][:12]}…) than {self.data_dir()} holds now (sha256 "
                 f"{tokens_sha256(self.train_blocks)[:12]}…): its error-feedback candidates "
                 "would be remade from other input Hessians, not the bytes its gates chose "
                 "between. Restore the data it was trained on ("
                 + (f"{self.out / 'data.previous'} holds the dataset before the last rebuild: "
                    "move it back to data/; or " if (self.out / "data.previous").is_dir()
+                   else "")
+                + (f"--data_dir {Path(expect[1]).resolve().parent / 'data'}, the "
+                   "assignment's run folder's data; or "
+                   if (Path(expect[1]).resolve().parent / "data").is_dir() and
+                   Path(expect[1]).resolve().parent / "data" != Path(self.data_dir()).resolve()
                    else "")
                 + "the same `voodoo data` flags: --data_name, --n_train_blocks, --seq_len, "
                 "--seed), or pass --rounding ggml to write llama-quantize's bytes of the same "
@@ -2469,8 +2480,19 @@ def _assignment_run_folder(a) -> None:
     """``--assignment A`` without ``--output_dir``: the run folder is A's own folder (its data
     and imatrix), not ``runs/<model name>``, where data and an imatrix would be made anew."""
     asg = _read_assignment(a.assignment)  # no assignment: refused before any work
+    own = Path(a.assignment).resolve().parent
     if not a.output_dir:
-        a.output_dir = str(Path(a.assignment).resolve().parent)
+        a.output_dir = str(own)
+    elif not getattr(a, "data_dir", None) and (own / "data" / "meta.json").is_file() and \
+            Path(a.output_dir).resolve() != own and \
+            not (Path(a.output_dir) / "data" / "meta.json").is_file() and \
+            all(getattr(a, k, None) is None for k in _DATA_KEYS):
+        # another --output_dir without data of its own, and no dataset flags: the assignment's
+        # calibration data (its error-feedback bytes are remade from those tokens), read where
+        # it is with its own settings, not rebuilt from the defaults in the new folder
+        a.data_dir = str(own / "data")
+        log(f"calibration data: {a.data_dir}, the assignment's run folder's (--data_dir DIR "
+            "takes another)")
     rec = asg.get("model")
     if getattr(a, "model", None) and rec and \
             Path(str(a.model)).expanduser().resolve() != Path(str(rec)).expanduser().resolve():

@@ -245,21 +245,44 @@ def strip_wiki_markup(text: str) -> str:
 
 
 # ------------------------------------------------------------------------------------ sources
-#: magic bytes of compressed files -> (format, the command that decompresses ``FILE``)
-_COMPRESSED = ((b"\x1f\x8b", "gzip", "gunzip -k"), (b"BZh", "bzip2", "bunzip2 -k"),
-               (b"\xfd7zXZ\x00", "xz", "unxz -k"), (b"\x28\xb5\x2f\xfd", "zstd", "unzstd"),
-               (b"PK\x03\x04", "zip", "unzip"))
+#: magic bytes of compressed files -> (format, the command that writes ``FILE`` decompressed to
+#: standard output, the suffix its files usually have)
+_COMPRESSED = ((b"\x1f\x8b", "gzip", "gunzip -c", ".gz"),
+               (b"BZh", "bzip2", "bunzip2 -c", ".bz2"),
+               (b"\xfd7zXZ\x00", "xz", "unxz -c", ".xz"),
+               (b"\x28\xb5\x2f\xfd", "zstd", "unzstd -c", ".zst"),
+               (b"PK\x03\x04", "zip", "unzip -p", ".zip"))
 
 
 def compressed_format(path: str | os.PathLike) -> tuple[str, str] | None:
-    """``(format, decompress command)`` when the file starts with the magic bytes of gzip,
-    bzip2, xz, zstd or zip (whatever its name says), else None (also when unreadable)."""
+    """``(format, shell command that decompresses it beside it)`` when the file starts with
+    the magic bytes of gzip, bzip2, xz, zstd or zip (whatever its name says), else None (also
+    when unreadable). The command names ``path`` as given, quoted, and writes ``NAME`` less
+    the compression suffix (``NAME.unpacked.SUFFIX`` when the name has none):
+    ``gunzip -c t.txt.gz > t.txt``."""
     try:
         with open(path, "rb") as f:
             head = f.read(6)
     except OSError:
         return None
-    return next(((fmt, cmd) for magic, fmt, cmd in _COMPRESSED if head.startswith(magic)), None)
+    for magic, fmt, cmd, suffix in _COMPRESSED:
+        if head.startswith(magic):
+            p = Path(path)
+            out = (p.with_suffix("") if p.suffix.lower() == suffix
+                   else p.with_name(f"{p.stem}.unpacked{p.suffix}"))
+            return fmt, f"{cmd} {_sh(p)} > {_sh(out)}"
+    return None
+
+
+def _sh(path: Path) -> str:
+    """``path`` as the user gave it, quoted for a shell command in a message."""
+    import shlex
+    return shlex.quote(str(path))
+
+
+def _utf8_name(path: Path) -> Path:
+    """Where a message's conversion command writes: beside ``path``, ``NAME.utf8.SUFFIX``."""
+    return path.with_name(f"{path.stem}.utf8{path.suffix}")
 
 
 def _not_utf8(path: Path, e: UnicodeDecodeError) -> DatasetError:
@@ -272,7 +295,7 @@ def _not_utf8(path: Path, e: UnicodeDecodeError) -> DatasetError:
     if packed:
         fmt, cmd = packed
         return DatasetError(f"{path} is a {fmt}-compressed file, not text; decompress it first "
-                            f"(`{cmd} {path.name}`) and give the text file")
+                            f"(`{cmd}`) and give the text file")
     try:
         with open(path, "rb") as f:
             raw = f.read(64 << 20)
@@ -286,12 +309,11 @@ def _not_utf8(path: Path, e: UnicodeDecodeError) -> DatasetError:
         if bad * 1000 <= len(raw):  # a UTF-8 text with a few broken bytes: latin1 would mangle it
             return DatasetError(
                 f"{path} is UTF-8 text but for {bad} byte(s) that are not ({e}); fix those bytes, "
-                f"or drop them: `iconv -f utf-8 -t utf-8 -c {path.name} > "
-                f"{path.stem}.utf8{path.suffix}`")
+                f"or drop them: `iconv -f utf-8 -t utf-8 -c {_sh(path)} > {_sh(_utf8_name(path))}`")
     what = f"{src} text (its byte-order mark says so)" if src != "latin1" else "UTF-8 text"
     return DatasetError(f"{path} is {'not ' if src == 'latin1' else ''}{what} ({e}); convert it "
-                        f"first, e.g. `iconv -f {src} -t utf-8 {path.name} > "
-                        f"{path.stem}.utf8{path.suffix}`")
+                        f"first, e.g. `iconv -f {src} -t utf-8 {_sh(path)} > "
+                        f"{_sh(_utf8_name(path))}`")
 
 
 def _read_txt(path: Path) -> list[str]:
@@ -310,6 +332,12 @@ def _read_txt(path: Path) -> list[str]:
     return [d for d in docs if d]
 
 
+def _json_kind(v) -> str:
+    """JSON's name for a decoded value's type (``array`` for a list...)."""
+    return {list: "array", dict: "object", str: "string", bool: "boolean", int: "number",
+            float: "number", type(None): "null"}.get(type(v), type(v).__name__)
+
+
 def _read_jsonl(path: Path) -> list[str]:
     try:
         lines = path.read_text(encoding="utf-8-sig").split("\n")
@@ -324,7 +352,15 @@ def _read_jsonl(path: Path) -> list[str]:
         except json.JSONDecodeError as e:
             raise DatasetError(f"{path}:{i}: not JSON ({e})") from None
         if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
-            raise DatasetError(f"{path}:{i}: expected an object with a string \"text\" field")
+            found = (f"it has the keys {', '.join(map(str, list(obj)[:8]))}"
+                     + (", ..." if len(obj) > 8 else "") if isinstance(obj, dict) and obj
+                     else f"it is a JSON {_json_kind(obj)}" if not isinstance(obj, dict)
+                     else "it is an empty object")
+            if isinstance(obj, dict) and "text" in obj:
+                found = f"its \"text\" is a JSON {_json_kind(obj['text'])}"
+            raise DatasetError(f"{path}:{i}: expected an object with a string \"text\" field "
+                               f"({found}); one document per line, as "
+                               f"{{\"text\": \"...\"}}")
         if obj["text"].strip():
             docs.append(obj["text"])
     return docs
@@ -380,7 +416,7 @@ def check_source(source: str | os.PathLike) -> None:
             raise DatasetError(f"{p}: unsupported file type {p.suffix.lower()!r} "
                                "(expected .txt, .jsonl or .parquet)" + (
                                    f"; it is {packed[0]}-compressed: decompress it first "
-                                   f"(`{packed[1]} {p.name}`)" if packed else ""))
+                                   f"(`{packed[1]}`)" if packed else ""))
     elif p.suffix.lower() in (".txt", ".jsonl", ".parquet") or os.sep in s:
         hub = (f"; a Hugging Face dataset is named with hf: (--data_name hf:{s}, which "
                "needs the `datasets` package and the hub)"

@@ -263,7 +263,11 @@ def export_gguf(base_gguf: str | os.PathLike, assignment,
             pass
         from .fsutil import is_disk_full, no_space_message
         if is_disk_full(e):
-            total = sum(p[4] for p in plan)
+            # the tensors (each padded to the alignment) and about the base GGUF's metadata
+            # (the same keys and tensor names): a tokenizer's vocabulary can be most of a
+            # small file
+            total = sum(-(-p[4] // 32) * 32 for p in plan) + min(
+                (int(t.data_offset) for t in reader.tensors), default=0)
             raise ExportError(no_space_message(out_path.parent, out_path.name, total)) from e
         raise
     return out_path

@@ -154,6 +154,11 @@ def free_mib(folder: str | os.PathLike) -> float | None:
         return None
 
 
+def _mib(x: float) -> str:
+    """MiB for a message: one decimal below 100 (2.0 free and 3.4 needed, not 2 and 3)."""
+    return f"{x:.1f}" if x < 100 else f"{x:.0f}"
+
+
 def no_space_message(folder: str | os.PathLike | None, what: str, need: int | None = None,
                      candidates: tuple = ()) -> str:
     """One line for a write into ``folder`` that ran out of space: what was being written,
@@ -163,12 +168,12 @@ def no_space_message(folder: str | os.PathLike | None, what: str, need: int | No
     if folder is None:
         frees = [(c, free_mib(c)) for c in dict.fromkeys(map(str, candidates))]
         where = ("no space left on a device while writing (the error names no file; free: "
-                 + ", ".join(f"{c} {f:.0f} MiB" for c, f in frees if f is not None) + ")")
+                 + ", ".join(f"{c} {_mib(f)} MiB" for c, f in frees if f is not None) + ")")
     else:
         free = free_mib(folder)
         where = (f"no space left on the device of {folder} while writing {what}"
-                 + (f" ({free:.0f} MiB free" if free is not None else " (")
-                 + (f", at least {need / 2**20:.0f} MiB needed)" if need else ")"))
+                 + (f" ({_mib(free)} MiB free" if free is not None else " (")
+                 + (f", at least {_mib(need / 2**20)} MiB needed)" if need else ")"))
     return (where + "; nothing half-written was kept. Free some space (`voodoo doctor "
             "--prune_cache 30` deletes cache entries unused for 30 days) or write elsewhere "
             "(--output_dir, --cache_dir, VOODOO_CACHE), and rerun the same command")

@@ -25,6 +25,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import warnings
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -265,9 +266,18 @@ def _base_intact(base: Path) -> bool:
 def _prepare_gguf(path: Path, work_dir) -> PreparedModel:
     from .ggufio import read_gguf
     try:
-        arch = read_gguf(path).fields["general.architecture"].contents()
+        fields = read_gguf(path).fields
+        arch = fields["general.architecture"].contents()
     except Exception as e:
         raise ModelPreparationError(f"{path} is not a readable GGUF file: {e}") from e
+    if "voodoo.model" in fields:   # written by voodoo export (voodoo.cli._provenance)
+        try:
+            made_from = str(fields["voodoo.model"].contents())
+        except Exception:
+            made_from = "?"
+        warnings.warn(f"{path.name} is a Voodoo export (of {made_from}): its weights are "
+                      "already quantized, and quantizing them again adds a second rounding "
+                      "to the first; give the model it was made from", stacklevel=2)
     key = sha256_file(path)[:16]
     d = _cache_dir(key, work_dir, source=path)
     hf_dir = d / "hf"

@@ -322,6 +322,10 @@ def load_or_compute_fisher(model: nn.Module, specs: Sequence, blocks: torch.Tens
         try:
             obj = torch.load(path, map_location="cpu", weights_only=True)
             if set(obj) == names:
+                if progress:
+                    from .progress import log
+                    log(f"Fisher diagonal: taken from the cache ({path}); the prior's costs "
+                        "are computed from it")
                 return obj
         except Exception:  # noqa: BLE001 -- a torn or foreign file: recompute
             pass
