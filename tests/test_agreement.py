@@ -294,7 +294,10 @@ def _preflight_message(e, tmp_path, monkeypatch) -> str:
 # ------------------------------------------------------------------------ the tokenizers
 _TEXT = ("Hello world, the 1234 quick brown foxes (est. 1999) jumped 3.5 m.\n  Indented   "
          "spaces\tand a tab. Émile's naïve café, 日本語, \U0001F642 and <|im_start|>user\n\n"
-         "\"Quoted\" -- dashes; semi: colons! 100,000 people @ 9:30pm. ") * 4
+         "\"Quoted\" -- dashes; semi: colons! 100,000 people @ 9:30pm. "
+         # backslashes as source code and paths hold them (llama.cpp's tools read "\\n" as a
+         # newline unless given --no-escape)
+         "printf(\"%d\\n\", x); C:\\temp\\new.txt \\t \\\\ ") * 4
 
 
 def _with_pre(src, dst, new: bytes):
@@ -318,7 +321,7 @@ def _with_pre(src, dst, new: bytes):
 def test_llama_cpps_tokenizer_is_compared_with_transformers(tiny_prepared, smol_tokenizer,
                                                            tmp_path):
     """llama-tokenize on the converter's GGUF cuts text (digits, whitespace runs, accents, CJK,
-    an emoji, a special token's text) into transformers' ids; the same GGUF with another
+    an emoji, a special token's text, escape sequences written out) into transformers' ids; the same GGUF with another
     pre-tokenizer (falcon's regex instead of smollm's) is reported, with where and how many."""
     from voodoo.agreement import (calibration_text, llama_tokenize, tokenizer_agreement,
                                   tokenizer_warning)

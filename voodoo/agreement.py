@@ -568,8 +568,9 @@ DEFAULT_TOKENIZER_CHARS = 4000
 def llama_tokenize(gguf_path: str | os.PathLike, text: str, timeout: float = 120.0
                    ) -> list[int]:
     """llama.cpp's token ids for ``text`` with the vocabulary of ``gguf_path``: ``llama-tokenize
-    -m F --ids --no-bos`` (tools/tokenize in the pinned llama.cpp; it loads the vocabulary
-    only). It reads a special token's text in the input as that token (its default; no
+    -m F --ids --no-bos --no-escape`` (tools/tokenize in the pinned llama.cpp; it loads the
+    vocabulary only; without ``--no-escape`` it would read a literal ``\\n`` as a newline). It
+    reads a special token's text in the input as that token (its default; no
     ``--no-parse-special``), as transformers does.
 
     Raises LlamaCppNotBuilt (llama-tokenize missing: ``voodoo bootstrap``) or PerplexityError
@@ -581,7 +582,7 @@ def llama_tokenize(gguf_path: str | os.PathLike, text: str, timeout: float = 120
         f = Path(td) / "text.txt"
         f.write_text(text, encoding="utf-8")
         args = [str(tool_path("llama-tokenize")), "-m", str(gguf_path), "-f", str(f), "--ids",
-                "--no-bos"]
+                "--no-bos", "--no-escape"]
         try:
             p = subprocess.run(args, capture_output=True, timeout=timeout, env=tool_env())
         except subprocess.TimeoutExpired:
