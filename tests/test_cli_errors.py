@@ -208,6 +208,22 @@ def test_eval_refuses_to_score_a_gguf_against_a_model_it_was_not_made_from(tmp_p
     rc, _, err = run_cli(["eval", "--gguf", str(stock)])
     line = error_line(rc, err, "eval")
     assert "stock.Q4_K_M.gguf records no voodoo.model" in line and "--model" in line, line
+    assert "e.g." not in line, line   # nothing beside it records a model this machine has
+    # a run folder's stock/ file: the Voodoo file of the run folder names the model to pass
+    from voodoo.export import find_model
+    from voodoo.models import DEFAULT_MODEL_WHEEL
+    run = tmp_path / "run"
+    (run / "stock").mkdir(parents=True)
+    smol = f"SmolLM2@sha256:{DEFAULT_MODEL_WHEEL['gguf_sha256']}"
+    _model_gguf(run / "m.Voodoo55_Q4_K_S.gguf", smol)
+    stock2 = _model_gguf(run / "stock" / "stock.IQ4_XS.gguf")
+    for cmd in (["eval", "--gguf", str(stock2)], ["chat", "--gguf", str(stock2), "--reference",
+                                                   "--prompt", "hi"]):
+        rc, _, err = run_cli(cmd)
+        line = error_line(rc, err, cmd[0])
+        assert "stock.IQ4_XS.gguf records no voodoo.model" in line, line
+        assert f"(e.g. --model {find_model(smol)}, the model m.Voodoo55_Q4_K_S.gguf " \
+            "records)" in line, line
     rc, _, err = run_cli(["eval", "--gguf", str(a), str(b)])
     line = error_line(rc, err, "eval")
     assert "different models" in line and "a.gguf from ModelA" in line and \

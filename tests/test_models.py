@@ -218,6 +218,36 @@ def test_gguf_to_f32(tiny_quant_gguf, tmp_path):
     assert got.fields["general.file_type"].contents() == int(LlamaFileType.ALL_F32)
 
 
+def test_a_voodoo_exports_provenance_is_not_carried_on(tiny_prepared, tiny_quant_gguf,
+                                                       tmp_path):
+    """A Voodoo export given as the model: its ``voodoo.*`` keys (the model it was made from,
+    its budget, its rounding) stay out of the base F32 GGUF and of an export made from that base
+    (which writes its own, once: no "Duplicated key name"); a cached base from before, holding
+    them, is converted again."""
+    import warnings
+
+    from voodoo.models import _stale_provenance
+    base = {t.name: t for t in read_gguf(tiny_prepared.base_gguf).tensors}
+
+    def lookup(name, t):
+        return cython_ggml.quantize(np.ascontiguousarray(base[name].data), t, tensor_name=name)
+    first = export_gguf(tiny_prepared.base_gguf, TINY_Q, lookup, tmp_path / "a.gguf",
+                        extra_kv={"voodoo.model": "a@sha256:01", "voodoo.budget_bytes": 7})
+    assert read_gguf(first).fields["voodoo.model"].contents() == "a@sha256:01"
+    f32 = gguf_to_f32(first, tmp_path / "f32.gguf")
+    keys = set(read_gguf(f32).fields)
+    assert not any(k.startswith("voodoo.") for k in keys), keys
+    assert "tokenizer.ggml.tokens" in keys and not _stale_provenance(f32)
+    assert _stale_provenance(first)
+    # an export of a base that (as before this fix) holds voodoo.* keys writes only its own
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")   # gguf's writer warns on a duplicated key
+        again = export_gguf(first, {n: "Q8_0" for n in TINY_Q}, lookup, tmp_path / "b.gguf",
+                            extra_kv={"voodoo.model": "b@sha256:02"})
+    f = read_gguf(again).fields
+    assert f["voodoo.model"].contents() == "b@sha256:02" and "voodoo.budget_bytes" not in f
+
+
 def test_prepare_gguf_input(tiny_quant_gguf, tmp_path):
     p = prepare_model(tiny_quant_gguf, work_dir=tmp_path)
     assert p.source == "gguf" and p.reference_gguf == tiny_quant_gguf

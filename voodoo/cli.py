@@ -595,6 +595,27 @@ def _check_model_gguf(path, flag: str = "--gguf",
                          f"(an imatrix or other data file?); give {hint}")
 
 
+def _recorded_model_hint(gguf, others=()) -> str:
+    """For a GGUF that records no ``voodoo.model`` (a stock file `voodoo run` wrote with
+    llama-quantize, a recipe file): `` (e.g. --model M, the model X records)`` from the first
+    Voodoo file among ``others``, else beside it (its folder, then the folder above: a run
+    folder's ``stock/``) whose model this machine has; "" when there is none."""
+    from .export import find_model, find_reference, gguf_model_id
+    g = Path(gguf)
+    near = [Path(o) for o in others if Path(o) != g]
+    for d in (g.parent, g.parent.parent):
+        near += sorted(p for p in d.glob("*.gguf") if p != g)[:20]
+    for o in near:
+        try:
+            m = gguf_model_id(o)
+        except Exception:  # noqa: BLE001 - not a readable GGUF: not a hint
+            continue
+        found = m and (find_model(m) or find_reference(m))
+        if found:
+            return f" (e.g. --model {found}, the model {o.name} records)"
+    return ""
+
+
 def _check_eval_models(a) -> None:
     """``eval --gguf`` without --model: each file is scored against the reference of the model
     it records (``voodoo.model``), so a file that records none, or files that record different
@@ -607,16 +628,9 @@ def _check_eval_models(a) -> None:
     if not getattr(a, "assignment", None):
         missing = [g for g, m in ids.items() if m is None]
         if missing:
-            hint = ""
-            for g, m in ids.items():   # a Voodoo file beside it: its model is likely the one
-                if m is not None:
-                    from .export import find_model, find_reference
-                    found = find_model(m) or find_reference(m)
-                    if found:
-                        hint = f" (e.g. --model {found}, the model {Path(g).name} records)"
-                        break
             raise UsageError(f"{Path(missing[0]).name} records no voodoo.model (not written by "
-                             "Voodoo?); pass --model with the model it was made from" + hint +
+                             "Voodoo?); pass --model with the model it was made from"
+                             + _recorded_model_hint(missing[0], a.gguf) +
                              ": its KLD is measured against that model's reference")
     models = {}
     for g, m in ids.items():
@@ -3163,7 +3177,8 @@ def _reference_of(a) -> Path:
     recorded = gguf_model_id(a.gguf)
     if recorded is None:
         raise UsageError(f"{Path(a.gguf).name} records no voodoo.model (not written by "
-                         "Voodoo?); pass --model with the model it was made from")
+                         "Voodoo?); pass --model with the model it was made from"
+                         + _recorded_model_hint(a.gguf))
     ref = find_reference(recorded)
     if ref is None:
         from .export import find_model

@@ -65,14 +65,24 @@ def assignment_types(assignment: Mapping[str, Any] | str | os.PathLike) -> dict[
     return out
 
 
-def copy_kv(reader: GGUFReader, writer: GGUFWriter, skip: Iterable[str] = ()) -> None:
+#: The key prefix of the provenance :func:`voodoo.cli` writes into an export (``voodoo.model``,
+#: ``voodoo.budget_bytes``, ``voodoo.rounding``, ...): it describes one export and is never
+#: carried into another file made from it.
+VOODOO_KEY_PREFIX = "voodoo."
+
+
+def copy_kv(reader: GGUFReader, writer: GGUFWriter, skip: Iterable[str] = (),
+            skip_prefixes: tuple[str, ...] = (VOODOO_KEY_PREFIX,)) -> None:
     """Copies every KV pair of ``reader`` into ``writer`` with its GGUF value type (arrays with
     their element type), except ``general.architecture`` (the writer writes it), the reader's
-    ``GGUF.*`` pseudo-keys and ``skip``. ``general.alignment`` also sets the writer's
-    alignment. Raises ExportError for nested arrays (not used by llama.cpp models)."""
+    ``GGUF.*`` pseudo-keys, ``skip`` and the keys starting with one of ``skip_prefixes``
+    (default: a Voodoo export's own ``voodoo.*`` provenance). ``general.alignment`` also sets
+    the writer's alignment. Raises ExportError for nested arrays (not used by llama.cpp
+    models)."""
     skip = set(skip)
     for key, field in reader.fields.items():
-        if key.startswith(_READER_PSEUDO_KEYS) or key in _WRITER_OWN_KEYS or key in skip:
+        if key.startswith(_READER_PSEUDO_KEYS) or key in _WRITER_OWN_KEYS or key in skip \
+                or key.startswith(tuple(skip_prefixes)):
             continue
         vtype = field.types[0]
         if vtype == GGUFValueType.ARRAY:

@@ -235,6 +235,22 @@ def _record_written(base: Path) -> None:
     atomic_write_text(base.with_name(base.name + WRITTEN_SUFFIX), f"{size} {digest}\n")
 
 
+def _stale_provenance(base: Path) -> bool:
+    """Whether a cached base F32 GGUF holds ``voodoo.*`` keys: one converted from a Voodoo
+    export before those keys were left out (the files made from it, and `voodoo eval` on
+    them, would name the export's source model as theirs). Such a base is converted again."""
+    from .export import VOODOO_KEY_PREFIX
+    from .ggufio import read_gguf
+    try:
+        stale = any(k.startswith(VOODOO_KEY_PREFIX) for k in read_gguf(base).fields)
+    except Exception:  # noqa: BLE001 - unreadable: convert again
+        stale = True
+    if stale:
+        _log(f"{base} carries the provenance of the Voodoo export it was converted from: "
+             "converting it again without it")
+    return stale
+
+
 def _base_intact(base: Path) -> bool:
     """Whether a cached base F32 GGUF still holds the bytes it was written with (its
     ``.written.sha256`` record, :func:`voodoo.fsutil.changed_since_written`; a file from before
@@ -285,7 +301,7 @@ def _prepare_gguf(path: Path, work_dir) -> PreparedModel:
         _gguf_to_hf(path, hf_dir, arch)
     _check_causal_lm(hf_dir)
     base = d / "base-f32.gguf"
-    if not base.is_file() or not _base_intact(base):
+    if not base.is_file() or not _base_intact(base) or _stale_provenance(base):
         _log(f"writing the base F32 GGUF {base}")
         gguf_to_f32(path, base)
         _record_written(base)
@@ -332,7 +348,8 @@ def _gguf_to_hf(path: Path, hf_dir: Path, arch: str) -> None:
 def gguf_to_f32(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
     """Writes ``dst``: every tensor of the GGUF ``src`` dequantized to F32
     (``gguf.quants.dequantize``; F32 tensors copied), same names, shapes and order, all KV
-    pairs copied (``general.file_type`` set to ALL_F32). Streams one tensor at a time; written
+    pairs copied but a Voodoo export's ``voodoo.*`` provenance (``general.file_type`` set to
+    ALL_F32). Streams one tensor at a time; written
     to a temporary file and renamed into place. Returns ``dst``.
 
     Raises NotImplementedError for a tensor type gguf-py cannot dequantize."""
