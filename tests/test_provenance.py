@@ -90,6 +90,15 @@ def test_second_model_in_the_same_folder(tiny_fixed, tiny_other, tmp_path):  # n
     if "provenance" in json.loads(asg1.read_text()):
         line = error_line(rc, se, "export")
         assert "tiny-llama-s0" in line and "tiny-llama-s1" in line, line
+    # and so is voodoo eval of it, before the run folder's data is looked at (it was rebuilt
+    # with the other model's tokenizer first, its own moved to data.previous)
+    data = {f.name: sha256_file(f) for f in (out / "data").iterdir() if f.is_file()}
+    rc, so, se = run_cli(["eval", "--model", str(tiny_other), "--assignment", str(asg1),
+                          "--no_ray"])
+    line = error_line(rc, se, "eval")
+    assert "was made for tiny-llama-s0" in line and "tiny-llama-s1" in line, line
+    assert "--model" in line and not (out / "data.previous").exists(), line
+    assert {f.name: sha256_file(f) for f in (out / "data").iterdir() if f.is_file()} == data
 
 
 def test_stock_file_requantized_for_another_imatrix(tiny_prepared, tmp_path):

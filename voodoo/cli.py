@@ -2691,6 +2691,18 @@ def _check_assignment_imatrix(a, asg, r) -> None:
                ", or leave out --output_dir to work in the assignment's own folder"))
 
 
+def _check_assignment_model(a, asg: dict, r) -> None:
+    """Refuses an assignment made for another model than ``r``'s (its recorded provenance
+    model), before the run folder's data or imatrix are touched (they would be remade with the
+    wrong tokenizer). Raises ProvenanceError naming the model to pass."""
+    made_from = (asg.get("provenance") or {}).get("model")
+    if made_from and made_from != r.model_id():
+        from .provenance import ProvenanceError, _short
+        raise ProvenanceError(f"{a.assignment} was made for {_short(made_from)}, not for "
+                              f"{_short(r.model_id())}; pass --model with the model it was "
+                              "made for, or train one for this model")
+
+
 def _export(argv):
     ap = ArgumentParser(
         formatter_class=HelpFormatter, prog="voodoo export",
@@ -2713,12 +2725,7 @@ def _export(argv):
         log(f"warning: {Path(a.assignment).parent} is in use by {holder}, which replaces "
             f"{Path(a.assignment).name} when it bakes; this export is of the assignment as it "
             "is now")
-    made_from = (asg.get("provenance") or {}).get("model")
-    if made_from and made_from != r.model_id():
-        from .provenance import ProvenanceError, _short
-        raise ProvenanceError(f"{a.assignment} was made for {_short(made_from)}, not for "
-                              f"{_short(r.model_id())}; pass --model with the model it was "
-                              "made for, or train one for this model")
+    _check_assignment_model(a, asg, r)
     _check_assignment_tensors(a.assignment, asg, r.ctx.specs)
     _use_assignment_rounding(a, asg, r)
     _use_assignment_imatrix(a, asg, r)
@@ -2931,6 +2938,7 @@ def _eval_torch(a) -> dict:
     asg = _read_assignment(a.assignment)
     r = Run(a)
     r.context()
+    _check_assignment_model(a, asg, r)
     r.data()
     if not len(r.eval_blocks):
         raise UsageError(
