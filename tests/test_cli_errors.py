@@ -224,6 +224,21 @@ def test_eval_refuses_to_score_a_gguf_against_a_model_it_was_not_made_from(tmp_p
         assert "stock.IQ4_XS.gguf records no voodoo.model" in line, line
         assert f"(e.g. --model {find_model(smol)}, the model m.Voodoo55_Q4_K_S.gguf " \
             "records)" in line, line
+    # a file of another vocabulary than the reference's (llama-perplexity would print KLD 20)
+    from gguf import GGUFWriter
+    w = GGUFWriter(str(run / "v.gguf"), "llama")
+    w.add_string("voodoo.model", smol)
+    w.add_token_list([f"t{i}" for i in range(10)])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    (run / "x.txt").write_text("Some text to score. " * 400)
+    rc, _, err = run_cli(["eval", "--gguf", str(run / "v.gguf"), "--eval_text",
+                          str(run / "x.txt")])
+    line = error_line(rc, err, "eval")
+    assert "v.gguf has a vocabulary of 10 tokens" in line and " 49152: " in line, line
+    assert "--model" in line, line
     rc, _, err = run_cli(["eval", "--gguf", str(a), str(b)])
     line = error_line(rc, err, "eval")
     assert "different models" in line and "a.gguf from ModelA" in line and \

@@ -150,6 +150,20 @@ def test_run_perplexity_errors(tmp_path, monkeypatch):
     with pytest.raises(ve.PerplexityError, match="no base logits"):
         ve.run_perplexity(model, text, kl_base=model)
 
+    # a file of another vocabulary than the base logits': llama-perplexity logs it and goes on
+    # to print a KLD of unlike token ids (kl_divergence() in tools/perplexity)
+    (fails / "llama-perplexity").write_text(
+        "#!/bin/sh\ncase \"$*\" in\n"
+        "  *--kl-divergence-base*--kl-divergence*)\n"
+        "    echo 'kl_divergence: inconsistent vocabulary (49152 vs 49157)' >&2\n"
+        "    echo 'Mean    KLD:  20.140000 +/-   0.100000' >&2;;\n"
+        "  *--kl-divergence-base*)\n"
+        "    for a in \"$@\"; do last=$a; done; head -c 64 /dev/zero > \"$last\"\n"
+        "    echo 'Final estimate: PPL = 5.0000 +/- 0.10000' >&2;;\nesac\nexit 0\n")
+    with pytest.raises(ve.PerplexityError, match=r"m.gguf has a vocabulary of 49157 tokens and "
+                       r"the reference's base logits 49152"):
+        ve.run_perplexity(model, text, kl_base=model)
+
     # an abort: ggml's handler prints a gdb backtrace longer than the tail; the reason stays
     (fails / "llama-perplexity").write_text(
         "#!/bin/sh\nfor i in $(seq 30); do echo 'llama_model_load: ok' >&2; done\n"

@@ -644,6 +644,22 @@ def _check_eval_models(a) -> None:
                          "measured against one model's reference)")
 
 
+def _check_same_vocab(ggufs, prepared) -> None:
+    """Refuses a --gguf whose vocabulary is not the size of the reference's: llama-perplexity
+    only logs "inconsistent vocabulary" and goes on to print a KLD of unlike token ids (20
+    nats, same top-p 0). Raises UsageError naming both sizes and the way out."""
+    from .agreement import gguf_vocab
+    ref = Path(prepared.reference_gguf)
+    n_ref = gguf_vocab(ref)["n_vocab"]
+    for g in ggufs:
+        n = gguf_vocab(g)["n_vocab"]
+        if n is not None and n_ref is not None and n != n_ref:
+            raise UsageError(
+                f"{Path(g).name} has a vocabulary of {n} tokens and the reference it would be "
+                f"scored against ({ref.name}, of {prepared.name}) {n_ref}: a KLD needs both "
+                "files of one model; pass --model with the model it was made from")
+
+
 def _row_label(g, ggufs) -> str:
     """The table's name for the GGUF ``g`` among ``ggufs``: its file name, with its folder when
     another of them has the same name (runs/a/m.gguf and runs/b/m.gguf: a/m.gguf, b/m.gguf)."""
@@ -2810,6 +2826,7 @@ def _eval(argv):
         _check_eval_models(a)
         prepared = prepare_model(_model_arg(a))
         _warn_other_model(a, prepared)
+        _check_same_vocab(a.gguf, prepared)
         text = Path(a.eval_text) if a.eval_text else _default_eval_text()
         if text is not None and not text.is_file():
             raise UsageError(f"--eval_text {text}: no such file")

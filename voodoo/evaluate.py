@@ -425,6 +425,13 @@ def run_perplexity(gguf: str | os.PathLike, text_file: str | os.PathLike, ctx: i
     out = _run_tool([exe, "-m", str(model), *_common_args(ctx, None, threads, batch),
                      "--kl-divergence-base", base["path"], "--kl-divergence"], timeout,
                     desc=f"llama-perplexity {model.name}")
+    m = re.search(r"inconsistent vocabulary \((\d+) vs (\d+)\)", out)
+    if m:   # tools/perplexity logs it and goes on to compare unlike token ids: no KLD at all
+        raise PerplexityError(
+            f"{model.name} has a vocabulary of {m.group(2)} tokens and the reference's base "
+            f"logits {m.group(1)}: KLD compares the two next-token distributions token by "
+            "token, so the file must be of the reference's model (give the model it was made "
+            "from)")
     res = parse_perplexity_output(out)
     if "ppl" not in res and "kld" not in res:
         _raise_if_too_short(out, shown, ctx)
