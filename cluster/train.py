@@ -358,6 +358,29 @@ def write_manifest(path: str | os.PathLike, step: int, world: int) -> dict:
     return man
 
 
+def _prewrite_manifest(d: Path, rank: int, world: int, step: int) -> None:
+    """Rank 0 writes ``complete.json`` into its local checkpoint folder ``d`` before the report
+    uploads it: every rank's files with their bytes and sha256, gathered from the ranks (so the
+    manifest is right once every rank's upload has landed, and :func:`checkpoint_complete` tells
+    a storage folder still missing some). :func:`write_manifest` writes the same after every
+    rank's report returned."""
+    mine = {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+            for p in sorted(d.iterdir()) if p.is_file() and not p.name.startswith(".")}
+    if world > 1 and dist.is_initialized():
+        box = [None] * world
+        dist.all_gather_object(box, mine)
+    else:
+        box = [mine]
+    if rank != 0:
+        return
+    files = {}
+    for part in box:
+        files.update(part or {})
+    man = {"version": CKPT_VERSION, "step": int(step), "world_size": int(world),
+           "files": dict(sorted(files.items()))}
+    (d / MANIFEST_FILE).write_text(json.dumps(man, indent=2))
+
+
 def checkpoint_complete(path: str | os.PathLike) -> dict | None:
     """The manifest of the checkpoint folder ``path`` when the checkpoint is complete (its
     ``complete.json`` parses, lists ``state.pt``, ``meta.json`` and one ``rank-NNNN.pt`` per
@@ -706,6 +729,10 @@ def run_loop(config: dict, backend) -> dict:
                     _prune(local_dir, num_to_keep, step)
                 _barrier(world)
                 d = final_dir
+            if local_dir is None:
+                # the manifest travels with the files: a rank killed after Ray copied them
+                # (before the manifest below) leaves a checkpoint that is still known complete
+                _prewrite_manifest(d, rank, world, step)
             backend.report(metrics_of(m), str(d), name=name)
             if run_dir is not None and local_dir is None:
                 # every rank's report returned: its files are on storage; mark it complete

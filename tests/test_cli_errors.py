@@ -297,6 +297,38 @@ def test_tensor_upgrades_pattern_matches_nothing(tiny_fixed, tmp_path):  # noqa:
     nothing_written(out)
 
 
+def test_train_in_a_run_folder_without_model_uses_the_runs_model(tmp_path, capsys):
+    """``train --output_dir OUT`` without --model, OUT holding a run (README's way to add
+    --tensor_upgrades): the model of OUT's newest assignment, said in a line, not the default
+    model; a recorded path that is gone is refused naming --model; --model given wins."""
+    import os
+    from types import SimpleNamespace
+
+    from voodoo import cli
+    out, model = tmp_path / "run", tmp_path / "h320"
+    out.mkdir()
+    model.mkdir()
+    (out / "old.assignment.json").write_text(json.dumps({"model": "/nowhere/old"}))
+    os.utime(out / "old.assignment.json", (1, 1))
+    (out / "h320.Voodoo55_Q4_K_S.assignment.json").write_text(json.dumps({"model": str(model)}))
+    a = SimpleNamespace(model=None, output_dir=str(out))
+    cli._run_folder_model(a)
+    assert a.model == str(model)
+    assert f"--model not given: using {model}, the model of the run in {out}" in \
+        capsys.readouterr().err
+    a = SimpleNamespace(model="/given", output_dir=str(out))
+    cli._run_folder_model(a)
+    assert a.model == "/given"
+    (out / "h320.Voodoo55_Q4_K_S.assignment.json").unlink()
+    with pytest.raises(cli.UsageError, match=r"holds a run of /nowhere/old \(old.assignment"
+                                             r".json\), which is not there any more; pass "
+                                             r"--model"):
+        cli._run_folder_model(SimpleNamespace(model=None, output_dir=str(out)))
+    a = SimpleNamespace(model=None, output_dir=str(tmp_path / "new"))
+    cli._run_folder_model(a)
+    assert a.model is None
+
+
 # ---------------------------------------------------------------------------- candidates
 def test_iq_type_needs_an_imatrix():
     from voodoo.candidates import plan_precache, quantize_candidate

@@ -1028,6 +1028,33 @@ def _model_arg(a):
     return str(default_model())
 
 
+def _run_folder_model(a) -> None:
+    """``train``/``run --output_dir OUT`` without --model, where OUT holds a run: its model
+    (the newest ``*.assignment.json``'s ``model``), with a line, rather than the default model
+    (which would then be refused as another model's journal, or trained in that folder).
+    Raises UsageError when the recorded model is no longer where it was."""
+    if a.model or not a.output_dir:
+        return
+    found = []
+    for f in Path(a.output_dir).glob("*.assignment.json"):
+        try:
+            m = json.loads(f.read_text()).get("model")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(m, str) and m:
+            found.append((f.stat().st_mtime, f.name, m))
+    if not found:
+        return
+    _, name, m = max(found)
+    if Path(m).is_absolute() and not Path(m).exists():  # (else a hub id: prepare_model's)
+        raise UsageError(f"--output_dir {a.output_dir} holds a run of {m} ({name}), which is "
+                         "not there any more; pass --model with that model, or another "
+                         "--output_dir for a new run")
+    log(f"--model not given: using {m}, the model of the run in {a.output_dir} ({name}; "
+        "--model for another)")
+    a.model = m
+
+
 def _recorded_model(a) -> str | None:
     asg = getattr(a, "assignment", None)
     if asg and Path(asg).is_file():
@@ -2380,6 +2407,7 @@ def _train(argv, run_all=False):
         holder = _run_folder_holder(Path(a.output_dir))
         if holder is not None:
             raise _in_use(a.output_dir, holder)
+        _run_folder_model(a)
     r = Run(a)
     r.context()
     _default_rounding(a, r.ctx.specs)

@@ -256,3 +256,48 @@ def test_auto_report_interval_reports_less_often_than_ray_takes_reports(
                     "report_every": "auto"}, b)
     assert out["step"] == 6
     assert b.steps == expected
+
+
+class _Died(BaseException):
+    """The worker's process ending (a lost node) inside Ray's report."""
+
+
+class _CopyingBackend(_CountingBackend):
+    """run_loop's backend for one rank, storage as Ray Train's report leaves it: the checkpoint
+    folder copied to ``storage/name``; ``die_at``: the worker dies right after that copy, before
+    the report returns (before the loop's own manifest write), as a lost node did."""
+
+    def __init__(self, storage, die_at=None):
+        super().__init__()
+        self.storage, self.die_at = storage, die_at
+
+    def report(self, metrics, checkpoint_dir=None, name=None):
+        import shutil
+        super().report(metrics, checkpoint_dir, name)
+        if checkpoint_dir is not None:
+            shutil.copytree(checkpoint_dir, self.storage / name, dirs_exist_ok=True)
+            if int(metrics["step"]) == self.die_at:
+                raise _Died
+
+
+def test_checkpoint_copied_before_the_worker_died_is_resumed(tmp_path, reference, capsys):
+    """A node lost after Ray copied the step-4 checkpoint to storage and before the loop wrote
+    its manifest (a tester's run: checkpoint_000010 on storage, resumed from 000005, five
+    steps redone): the manifest travels with the files, so the copy is known complete and
+    resumed; the result equals the uninterrupted run's."""
+    from cluster.train import run_loop
+    storage = tmp_path / "run"
+    storage.mkdir()
+    cfg = {"factory": TinyLlamaFactory(), "cfg": _cfg().to_dict(), "run_dir": str(storage)}
+    with pytest.raises(_Died):
+        run_loop(cfg, _CopyingBackend(storage, die_at=4))
+    assert newest_checkpoint(storage) == (storage / "checkpoint_000004", 4)
+    b = _CopyingBackend(storage)
+    out = run_loop(cfg, b)
+    assert f"resuming from {storage / 'checkpoint_000004'} (step 4 of 6)" in \
+        capsys.readouterr().err
+    assert out["step"] == 6 and [s for s, _ in b.steps] == [5, 6]
+    _same_gates(out["gates"], reference.gates, atol=1e-6)
+    # a copy missing a file the manifest lists is not complete, and not resumed
+    (storage / "checkpoint_000006" / "rank-0000.pt").unlink()
+    assert newest_checkpoint(storage) == (storage / "checkpoint_000004", 4)
