@@ -259,10 +259,11 @@ def check_feasible_here(need: dict, what: str, fix: str, count: int = 1,
     GPUs torch sees, so a larger per-worker (per-trial) request, or ``count`` of them that do
     not fit together, is refused before the data, imatrix and candidates instead of after them.
     With Ray already up in this process, its cluster's nodes are checked
-    (:func:`check_feasible`); with ``RAY_ADDRESS`` set (Ray not up yet), a ``ray start``
-    cluster on this machine (which ``ray.init()`` joins: :func:`running_local_cluster`) or
-    ``VOODOO_ALLOW_PENDING=1``, nothing is checked here (the nodes are checked once Ray is up).
-    Raises ValueError in :func:`check_feasible`'s form."""
+    (:func:`check_feasible`); with ``RAY_ADDRESS`` set or a ``ray start`` cluster on this
+    machine (which ``ray.init()`` joins: :func:`running_local_cluster`), that cluster is joined
+    now (:func:`check_address`, :func:`ensure_ray`) and its nodes checked; with
+    ``VOODOO_ALLOW_PENDING=1`` nothing is checked. Raises ValueError in :func:`check_feasible`'s
+    form, ConnectionError when the cluster cannot be joined."""
     need = {k: float(v) for k, v in need.items() if v}
     if not need or os.environ.get("VOODOO_ALLOW_PENDING"):
         return
@@ -270,7 +271,11 @@ def check_feasible_here(need: dict, what: str, fix: str, count: int = 1,
     if ray.is_initialized():  # this process is on a cluster already: its nodes
         return check_feasible(need, what, fix, count, count_fix)
     if os.environ.get("RAY_ADDRESS", "").strip() or running_local_cluster():
-        return
+        # join that cluster now: its nodes (and its token, if it asks for one) are checked
+        # before the data, imatrix and candidates, not after them
+        check_address()
+        ensure_ray(address=os.environ.get("RAY_ADDRESS", "").strip() or None)
+        return check_feasible(need, what, fix, count, count_fix)
     have = {"CPU": float(os.cpu_count() or 1)}
     if "GPU" in need:
         try:

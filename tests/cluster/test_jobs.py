@@ -90,6 +90,17 @@ def test_ray_job_submit_local_head(tmp_path):
                              timeout=180, env=env, cwd=str(Path(__file__).parents[2]))
         assert "ERR " in out.stdout and "set RAY_AUTH_MODE=token" in out.stdout, \
             (out.stdout + out.stderr)[-3000:]
+        # more Ray Train workers than that cluster holds: refused once joined, before the model
+        # is even looked at (it was refused after the data, imatrix and candidates)
+        env["RAY_AUTH_MODE"] = "token"
+        out = subprocess.run([sys.executable, "-m", "voodoo.cli", "train", "--ray",
+                              "--num_workers", "3", "--model", str(tmp_path / "no-model"),
+                              "--output_dir", str(tmp_path / "o")], capture_output=True,
+                             text=True, timeout=180, env=env, cwd=str(Path(__file__).parents[2]))
+        err = out.stderr.strip().splitlines()
+        assert out.returncode == 2 and "3 Ray Train workers need CPU 1 each" in err[-1], \
+            out.stderr[-3000:]
+        assert "no-model" not in out.stderr and not (tmp_path / "o").exists()
     finally:
         try:
             os.killpg(head.pid, signal.SIGTERM)
