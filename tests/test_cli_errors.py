@@ -1678,3 +1678,17 @@ def test_a_gguf_path_that_is_not_there_names_the_files_beside_it(tmp_path):
     with pytest.raises(cli.UsageError) as ei:
         cli._check_model_gguf(empty / "X.gguf")
     assert str(ei.value).endswith("X.gguf: no such file"), str(ei.value)
+
+
+def test_no_wikitext_inside_a_ray_job_says_why(monkeypatch):
+    """Under `ray job submit` the package runs from Ray's copy of --working-dir (under
+    ``runtime_resources``), where ../shared beside the user's checkout is not: the line that
+    says no WikiText-2 was found says so and names --eval_text; elsewhere it does not."""
+    from voodoo import cli
+    assert "ray job submit" not in cli._no_wikitext()
+    monkeypatch.setattr(cli, "__file__", "/tmp/ray/session_1/runtime_resources/"
+                        "working_dir_files/_ray_pkg_0123/voodoo/cli.py")
+    line = cli._no_wikitext()
+    assert line.startswith("no --eval_text and no ../shared/data/wikitext-2-raw-test.txt (this "
+                           "`ray job submit` job runs from Ray's copy of --working-dir"), line
+    assert "--eval_text with an absolute path" in line

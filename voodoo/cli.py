@@ -820,7 +820,7 @@ def _check_eval_split_length(a) -> None:
     if tokens >= need:
         return
     raise UsageError(
-        f"no --eval_text and no ../shared/data/wikitext-2-raw-test.txt: llama-perplexity would "
+        f"{_no_wikitext()}: llama-perplexity would "
         f"score the eval split of --data_name, {n} blocks x {seq} tokens = {tokens} tokens, "
         f"too few for --ctx {ctx} --chunks {chunks} (it needs {need}): pass --eval_text FILE, "
         f"raise --n_eval_blocks to {-(-need // seq) + 1}, or lower --ctx")
@@ -1350,6 +1350,17 @@ def _warn_eval_is_calibration(a) -> bool:
             "every quantized file; give a held-out text (e.g. WikiText-2 test), never the "
             "calibration text")
     return same
+
+
+def _no_wikitext() -> str:
+    """The start of every line that says no WikiText-2 file was found beside the checkout;
+    inside a ``ray job submit`` job (this package imported from Ray's copy of --working-dir)
+    it adds why: nothing beside the user's checkout is there."""
+    s = "no --eval_text and no ../shared/data/wikitext-2-raw-test.txt"
+    if "runtime_resources" in Path(__file__).resolve().parts:
+        s += (" (this `ray job submit` job runs from Ray's copy of --working-dir, so nothing "
+              "beside your checkout is found: pass --eval_text with an absolute path)")
+    return s
 
 
 def _default_eval_text() -> Path | None:
@@ -2398,7 +2409,7 @@ def _train(argv, run_all=False):
         _check_eval_split_length(a)
         _warn_eval_is_calibration(a)
         if not a.eval_text and _default_eval_text() is None:
-            log("no --eval_text and no ../shared/data/wikitext-2-raw-test.txt: the "
+            log(f"{_no_wikitext()}: the "
                 "final llama-perplexity table will score the held-out eval split of the "
                 "calibration corpus (--data_name), not WikiText-2")
     from .bake import parse_tensor_upgrades
@@ -2966,7 +2977,7 @@ def _write_eval_split(r) -> Path:
     atomic_write_text(text, llama_join(r.ctx.prepared.base_gguf,
                                        (r.ctx.tokenizer.decode(b) for b in r.eval_blocks),
                                        "the eval split"))
-    log(f"no --eval_text and no ../shared/data/wikitext-2-raw-test.txt: measuring on "
+    log(f"{_no_wikitext()}: measuring on "
         f"the eval split of {r.a.data_name} ({len(r.eval_blocks)} blocks), {text}")
     return text
 
