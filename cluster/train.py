@@ -978,6 +978,7 @@ def run_training(factory: Callable[[WorkerInfo], StudentJob], cfg: TrainConfig, 
     ``max_failures`` times (one line: what happened, the checkpoint kept, the command that
     resumes)."""
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.exceptions import RayError
     from ray.train import TrainingFailedError
 
     tensor_parallel = int(tensor_parallel)
@@ -1041,6 +1042,11 @@ def run_training(factory: Callable[[WorkerInfo], StudentJob], cfg: TrainConfig, 
         terminal = [fails[r] for r in sorted(fails) if is_terminal_error(fails[r])]
         if terminal and not any(_worker_died(x) for x in fails.values()):
             raise terminal[0] from None  # the worker's own error: bad input, not Ray's
+        raise _failure_message(e, run_name, run_dir, max_failures, cfg.max_steps,
+                               resume_command) from e
+    except RayError as e:
+        # the controller itself lost (its node, or the head, crashed): the same line, with the
+        # checkpoint on storage and the command that resumes, not Ray's traceback
         raise _failure_message(e, run_name, run_dir, max_failures, cfg.max_steps,
                                resume_command) from e
     finally:

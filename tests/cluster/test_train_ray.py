@@ -301,3 +301,22 @@ def test_checkpoint_copied_before_the_worker_died_is_resumed(tmp_path, reference
     # a copy missing a file the manifest lists is not complete, and not resumed
     (storage / "checkpoint_000006" / "rank-0000.pt").unlink()
     assert newest_checkpoint(storage) == (storage / "checkpoint_000004", 4)
+
+
+def test_ray_failing_under_the_run_is_one_line_with_the_way_to_resume(tmp_path, ray_up,
+                                                                        monkeypatch):
+    """Ray itself failing under fit() (the controller's node or the head crashed: an
+    ActorDiedError, not a TrainingFailedError) ended in Ray's traceback; now it is the same
+    TrainingFailed line as dead workers give: what happened, the checkpoint kept, the command."""
+    import ray.exceptions
+    from ray.train.torch import TorchTrainer
+
+    def crash(self):
+        raise ray.exceptions.ActorDiedError()
+    monkeypatch.setattr(TorchTrainer, "fit", crash)
+    with pytest.raises(TrainingFailed) as e:
+        run_training(TinyLlamaFactory(), _cfg(max_steps=2), num_workers=1, run_name="crash",
+                     storage_path=tmp_path / "runs", resources_per_worker={"CPU": 0.5})
+    msg = str(e.value)
+    assert "gate training run crash stopped: Ray Train failed (ActorDiedError" in msg, msg
+    assert "no checkpoint was complete yet" in msg and "resume with: " in msg, msg
