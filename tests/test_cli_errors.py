@@ -96,6 +96,17 @@ def test_unreachable_compression_ratio(tiny_fixed, tmp_path):  # noqa: F811
     m = re.search(r"compression ratio (\d\.\d+)\.\.(\d\.\d+)", line)
     assert m and float(m.group(1)) < float(m.group(2)) and float(m.group(1)) > 0.05, line
     nothing_written(out)
+    # --match_size of a file no assignment reaches: the range in the same unit, bytes of file
+    rc, _, err = run_cli(["train", "--model", str(tiny_fixed), "--output_dir", str(out),
+                          *SMALL, "--match_size", "2000000000"])
+    line = error_line(rc, err)
+    m = re.search(r"--match_size 2000000000: a file of 2,000,000,000 bytes is out of reach; "
+                  r"with these menus the files Voodoo writes are ([\d,]+) to ([\d,]+) bytes",
+                  line)
+    assert m, line
+    lo, hi = (int(g.replace(",", "")) for g in m.groups())
+    assert 0 < lo < hi < 2_000_000_000 and "--candidate_types" in line, line
+    nothing_written(out)
 
 
 # ---------------------------------------------------------------------- training numbers

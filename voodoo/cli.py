@@ -1523,7 +1523,20 @@ class Run:
                   f"menus make, every tensor at its largest type ({hi} bytes): that file is "
                   "the one to write", flush=True)
             self.budget = hi
-        check_reachable(self.budget, self.table, self.ctx.shapes)
+        try:
+            check_reachable(self.budget, self.table, self.ctx.shapes)
+        except ValueError:
+            target = getattr(self, "target_file_bytes", None)
+            if not getattr(self.a, "match_size", None) or not target:
+                raise
+            lo = reachable_range(self.table)[0]
+            extra = target - int(self.budget)   # what the file holds besides the selectable
+            raise ValueError(
+                f"--match_size {self.a.match_size}: a file of {target:,} bytes is out of reach; "
+                f"with these menus the files Voodoo writes are {lo + extra:,} to "
+                f"{hi + extra:,} bytes ({extra:,} of them the tensors and metadata no menu "
+                "covers): give --match_size within that, or widen the menus "
+                "(--candidate_types)") from None
 
     def data_dir(self) -> Path:
         """The dataset folder: ``--data_dir``, else ``<output_dir>/data``."""
