@@ -64,6 +64,14 @@ class PrecacheError(RuntimeError):
                    f"the replacements ran out ({gone} never got one; Ray's log says why an actor "
                    "died: a killed process, lost node or memory). Run the same command again: "
                    "every candidate already built stays in the cache")
+            if result is not None and len(failures) >= result.misses and \
+                    os.environ.get("RAY_AUTH_MODE", "").lower() == "token" \
+                    and os.environ.get("RAY_ADDRESS", "").strip():
+                # not one built: a cluster without token authentication turns this token-
+                # sending driver away ("Missing authorization header" in its log only)
+                msg += (". Not one was built: if the cluster at RAY_ADDRESS does not use "
+                        "token authentication, unset RAY_AUTH_MODE (Ray's driver log then "
+                        "says \"Missing authorization header\")")
         if oom:
             msg += (f"; {oom} of them were killed by Ray's memory monitor (the node ran out of "
                     "memory, often because other jobs hold it): free memory, or quantize in this "

@@ -667,8 +667,11 @@ def run_loop(config: dict, backend) -> dict:
             _set_rng_state(rk["rng"])
             step, history = int(st["step"]), list(st["history"])
             if rank == 0:
-                print(f"[voodoo train] resuming from {d} (step {step} of {cfg.max_steps})",
-                      file=sys.stderr, flush=True)
+                # written, not print()ed: Ray Train's workers patch print() to log each line
+                # and also echo it (RAY_TRAIN_ENABLE_PRINT_PATCH): it reached the driver twice
+                sys.stderr.write(f"[voodoo train] resuming from {d} (step {step} of "
+                                 f"{cfg.max_steps})\n")
+                sys.stderr.flush()
         else:
             start_gates(mixed_weights(student), cfg, budget, init_logits,
                         shapes, student=student, teacher=teacher, blocks=job.train_blocks)

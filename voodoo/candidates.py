@@ -766,5 +766,8 @@ def precache_local(jobs: Iterable, cache: CandidateCache, progress: bool = True,
     result.stats["seconds"] = time.perf_counter() - t0
     log.info("precache_local: %s", result.summary())
     if progress:
-        print(f"[voodoo precache] {result.summary()}", file=sys.stderr, flush=True)
+        # written, not print()ed: in a Ray Train worker print() is patched to log each line and
+        # echo it, so it reached the driver twice
+        sys.stderr.write(f"[voodoo precache] {result.summary()}\n")
+        sys.stderr.flush()
     return result

@@ -177,7 +177,7 @@ def test_quant_workers_env_is_checked(ray_local, monkeypatch):
     assert n_quantize_workers() == 1
 
 
-def test_precache_error_says_what_a_rerun_does():
+def test_precache_error_says_what_a_rerun_does(monkeypatch):
     """Every quantize actor killed (4 kills, replacements spent) read "130 candidate(s) failed
     after retries" though only 4 were tried, with no way forward; the message now says the
     actors died and that the same command resumes from the cache."""
@@ -191,3 +191,16 @@ def test_precache_error_says_what_a_rerun_does():
     assert "no live quantize actor" not in msg
     other = str(PrecacheError({("t", "Q8_0"): "ValueError: bad rows"}, None))
     assert "failed after retries" in other and "the same command retries the rest" in other
+    assert "RAY_AUTH_MODE" not in msg
+    # not one built, a token-sending driver on a RAY_ADDRESS cluster: likely a cluster without
+    # token authentication turning the driver away (a Ray user's case); the way out is named
+    from types import SimpleNamespace
+    failures = {("blk.0.attn_q.weight", "Q8_0"): "ActorDiedError: killed", **gone}
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:6390")
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")
+    msg = str(PrecacheError(failures, SimpleNamespace(misses=6)))
+    assert "Not one was built: if the cluster at RAY_ADDRESS does not use token " \
+        "authentication, unset RAY_AUTH_MODE" in msg, msg
+    assert "RAY_AUTH_MODE" not in str(PrecacheError(failures, SimpleNamespace(misses=60)))
+    monkeypatch.delenv("RAY_AUTH_MODE")
+    assert "RAY_AUTH_MODE" not in str(PrecacheError(failures, SimpleNamespace(misses=6)))
