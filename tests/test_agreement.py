@@ -321,8 +321,9 @@ def _with_pre(src, dst, new: bytes):
 def test_llama_cpps_tokenizer_is_compared_with_transformers(tiny_prepared, smol_tokenizer,
                                                            tmp_path):
     """llama-tokenize on the converter's GGUF cuts text (digits, whitespace runs, accents, CJK,
-    an emoji, a special token's text, escape sequences written out) into transformers' ids; the same GGUF with another
-    pre-tokenizer (falcon's regex instead of smollm's) is reported, with where and how many."""
+    an emoji, a special token's text, escape sequences written out) into transformers' ids;
+    the same GGUF with another pre-tokenizer (falcon's regex instead of smollm's) is reported,
+    with where and how many."""
     from voodoo.agreement import (calibration_text, llama_tokenize, tokenizer_agreement,
                                   tokenizer_warning)
     from voodoo.llamacpp import LlamaCppNotBuilt, tool_path
