@@ -339,6 +339,20 @@ def _expected_files(world: int) -> list[str]:
     return [STATE_FILE, META_FILE, *(f"rank-{r:04d}.pt" for r in range(world))]
 
 
+def _file_records(d: Path) -> dict:
+    """``{name: {"bytes", "sha256"}}`` of the checkpoint files in folder ``d`` (not the
+    manifest, not hidden temporaries)."""
+    return {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+            for p in sorted(d.iterdir())
+            if p.is_file() and p.name != MANIFEST_FILE and not p.name.startswith(".")}
+
+
+def _manifest(step: int, world: int, files: dict) -> dict:
+    """The ``complete.json`` record of a checkpoint: its step, world size and files."""
+    return {"version": CKPT_VERSION, "step": int(step), "world_size": int(world),
+            "files": dict(sorted(files.items()))}
+
+
 def write_manifest(path: str | os.PathLike, step: int, world: int) -> dict:
     """Writes ``complete.json`` into the checkpoint folder ``path`` (atomically, last): the
     step, the world size and each file's bytes and sha256, read back from storage. Raises
@@ -348,10 +362,7 @@ def write_manifest(path: str | os.PathLike, step: int, world: int) -> dict:
     missing = [n for n in _expected_files(world) if not (d / n).is_file()]
     if missing:
         raise RuntimeError(f"checkpoint {d} lacks {missing} after every rank reported it")
-    files = {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)}
-             for p in sorted(d.iterdir())
-             if p.is_file() and p.name != MANIFEST_FILE and not p.name.startswith(".")}
-    man = {"version": CKPT_VERSION, "step": int(step), "world_size": int(world), "files": files}
+    man = _manifest(step, world, _file_records(d))
     tmp = d / f".{MANIFEST_FILE}.tmp"
     tmp.write_text(json.dumps(man, indent=2))
     os.replace(tmp, d / MANIFEST_FILE)
@@ -364,8 +375,7 @@ def _prewrite_manifest(d: Path, rank: int, world: int, step: int) -> None:
     manifest is right once every rank's upload has landed, and :func:`checkpoint_complete` tells
     a storage folder still missing some). :func:`write_manifest` writes the same after every
     rank's report returned."""
-    mine = {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)}
-            for p in sorted(d.iterdir()) if p.is_file() and not p.name.startswith(".")}
+    mine = _file_records(d)
     if world > 1 and dist.is_initialized():
         box = [None] * world
         dist.all_gather_object(box, mine)
@@ -376,9 +386,7 @@ def _prewrite_manifest(d: Path, rank: int, world: int, step: int) -> None:
     files = {}
     for part in box:
         files.update(part or {})
-    man = {"version": CKPT_VERSION, "step": int(step), "world_size": int(world),
-           "files": dict(sorted(files.items()))}
-    (d / MANIFEST_FILE).write_text(json.dumps(man, indent=2))
+    (d / MANIFEST_FILE).write_text(json.dumps(_manifest(step, world, files), indent=2))
 
 
 def checkpoint_complete(path: str | os.PathLike) -> dict | None:
