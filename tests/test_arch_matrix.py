@@ -162,7 +162,9 @@ def test_family(family, tools_ready, tmp_path):
 
     # (b) exported bytes == llama-quantize with the written tensor-type file and imatrix
     asg = _assignment(ctx, menus, table)
-    out = export(ctx, asg, keys, cache, tmp_path / f"{family}.gguf")
+    from voodoo.imatrix import quantize_imatrix_kv
+    out = export(ctx, asg, keys, cache, tmp_path / f"{family}.gguf",
+                 extra_kv=quantize_imatrix_kv(tmp_path / "imatrix.gguf"))
     ttf = out.with_suffix(".tensor-types.txt")
     ref = tmp_path / "ref.gguf"
     r = subprocess.run([str(tool_path("llama-quantize")), "--imatrix",
@@ -171,6 +173,10 @@ def test_family(family, tools_ready, tmp_path):
                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                        errors="replace")
     assert r.returncode == 0, r.stdout[-3000:]
+    # the quantize.imatrix.* keys as llama-quantize writes them: values and GGUF types
+    kv_mine, kv_theirs = ({k: (f.types, f.contents()) for k, f in read_gguf(str(g)).fields.items()
+                           if k.startswith("quantize.imatrix.")} for g in (out, ref))
+    assert len(kv_theirs) >= 3 and kv_mine == kv_theirs, (kv_mine, kv_theirs)
     mine = {t.name: t for t in read_gguf(str(out)).tensors}
     theirs = {t.name: t for t in read_gguf(str(ref)).tensors}
     types = assignment_types(asg)

@@ -1703,3 +1703,32 @@ def test_no_wikitext_inside_a_ray_job_says_why(monkeypatch):
     assert line.startswith("no --eval_text and no ../shared/data/wikitext-2-raw-test.txt (this "
                            "`ray job submit` job runs from Ray's copy of --working-dir"), line
     assert "--eval_text with an absolute path" in line
+
+
+def test_match_size_takes_a_file_to_match(tmp_path):
+    """``--match_size FILE``: a llama.cpp user matches a GGUF they have (a tester's
+    ``--match_size llama-Q4_K_M.gguf`` was refused as neither bytes nor a type); a missing file
+    or an empty one is refused naming it; type names still win over a file of the same name."""
+    from voodoo.cli import UsageError, _match_size_target
+    f = tmp_path / "llama-Q4_K_M.gguf"
+    f.write_bytes(b"GGUF" + bytes(12_340))
+    assert _match_size_target(str(f)) == 12_344
+    assert _match_size_target("q4_k_m") == "Q4_K_M"
+    for bad, words in ((tmp_path / "gone.gguf", "no such file"),
+                       (tmp_path, "no such file")):
+        with pytest.raises(UsageError, match=words):
+            _match_size_target(str(bad))
+    (tmp_path / "empty.gguf").write_bytes(b"")
+    with pytest.raises(UsageError, match="the file is empty"):
+        _match_size_target(str(tmp_path / "empty.gguf"))
+
+
+def test_output_name_drops_a_gguf_ending_in_any_case():
+    """``--output_name out.GGUF`` wrote ``out.GGUF.gguf`` (only ``.gguf`` was taken off)."""
+    import argparse
+
+    from voodoo.cli import _file_stem
+    assert _file_stem("out.GGUF") == "out" and _file_stem("my.gguf") == "my"
+    assert _file_stem("my.model") == "my.model"
+    with pytest.raises(argparse.ArgumentTypeError, match="not a plain file name"):
+        _file_stem(".gguf")

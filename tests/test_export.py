@@ -340,3 +340,17 @@ def test_a_folder_where_the_gguf_goes_is_named(tmp_path):
     with pytest.raises(ExportError, match=r"m.Voodoo55.gguf is a folder, where the GGUF would "
                                           r"be written.*--output_name"):
         export(None, {"tensors": {}}, {}, None, d)
+
+
+def test_output_name_takes_the_matched_file_type_as_its_badge():
+    """``--match_size Q3_K_S`` named a file of the stock Q3_K_S's size ``…_Q4_K_M`` (the
+    nominal bpw nearest its own), which llama.cpp then showed as "Q4_K - Medium": the matched
+    type is the badge; a byte target, a file or no --match_size keep the nearest-bpw one."""
+    from types import SimpleNamespace
+
+    from voodoo.cli import _match_badge
+    assert output_name("M", 58, 4.94) == "M.Voodoo58_Q4_K_M.gguf"
+    assert output_name("M", 58, 4.94, badge="Q3_K_S") == "M.Voodoo58_Q3_K_S.gguf"
+    assert _match_badge(SimpleNamespace(match_size="q3_k_s")) == "Q3_K_S"
+    for m in (None, "20000000", "Q9_K"):
+        assert _match_badge(SimpleNamespace(match_size=m)) is None, m

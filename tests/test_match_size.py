@@ -8,6 +8,8 @@ within 0.5%, and the bake then warns instead."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from test_pipeline import run_cli
@@ -56,3 +58,15 @@ def test_match_size_lands_within_half_a_percent(target, tiny_wide, tmp_path):
     rel = got / want - 1
     print(f"--match_size {target}: {got} bytes vs {want} ({100 * rel:+.3f}%)")
     assert -0.005 <= rel <= 0.0, (got, want, rel)
+    # a file type matched is the type llama.cpp shows for the file (general.file_type) and
+    # the assignment's badge; a byte target leaves the badge to the file's bpw
+    from gguf import LlamaFileType
+
+    from voodoo.ggufio import read_gguf
+    ftype = int(read_gguf(out / "m.gguf").fields["general.file_type"].contents())
+    badge = json.loads((out / "m.assignment.json").read_text()).get("badge")
+    if target.isdigit():
+        assert badge is None
+    else:
+        assert badge == target and ftype == int(LlamaFileType["MOSTLY_" + target]), \
+            (badge, ftype)

@@ -551,15 +551,21 @@ def test_a_truncated_weight_file_is_named(tiny_model_dir, tmp_path):
         source_dir()
     except LlamaCppNotBuilt as e:
         pytest.skip(str(e))
-    d = tmp_path / "cut"
-    shutil.copytree(tiny_model_dir, d)
-    w = d / "model.safetensors"
-    with open(w, "r+b") as f:
-        f.truncate(w.stat().st_size // 2)
-    with pytest.raises(ModelPreparationError) as e:
-        prepare_model(d, work_dir=tmp_path / "w")
-    first = str(e.value).split("\n")[0]
-    assert "truncated or corrupt" in first and "model.safetensors" in first, first
+    for how in ("cut", "garbage"):
+        # garbage: random bytes, whose header length claims ~1e19 bytes ("Could not read
+        # complete metadata", once the generic "converter failed" and its traceback)
+        d = tmp_path / how
+        shutil.copytree(tiny_model_dir, d)
+        w = d / "model.safetensors"
+        if how == "cut":
+            with open(w, "r+b") as f:
+                f.truncate(w.stat().st_size // 2)
+        else:
+            w.write_bytes(np.random.default_rng(0).bytes(1_000_000))
+        with pytest.raises(ModelPreparationError) as e:
+            prepare_model(d, work_dir=tmp_path / f"w-{how}")
+        first = str(e.value).split("\n")[0]
+        assert "truncated or corrupt" in first and "model.safetensors" in first, (how, first)
 
 
 def test_a_full_disk_during_conversion_is_named(tiny_model_dir, tmp_path):

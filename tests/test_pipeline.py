@@ -131,6 +131,14 @@ def test_run_writes_every_stage(tiny_run):
         assert len(t["dkl"]) == len(t["menu"]) == len(t["bytes"]) and t["choice"] in t["menu"]
     assert rows[0]["ppl"] > 0 and rows[0]["kld"] >= 0 and 0 <= rows[0]["same_top_p"] <= 1
     assert "baked:" in tiny_run["stdout"] and "| Voodoo |" in tiny_run["stdout"]
+    # the imatrix the candidates were quantized with, named as llama-quantize names it
+    from voodoo.imatrix import read_imatrix_raw
+    kv = {k: f.contents() for k, f in read_gguf(tiny_run["gguf"]).fields.items()
+          if k.startswith("quantize.imatrix.")}
+    assert Path(kv["quantize.imatrix.file"]).resolve() == tiny_run["imatrix"].resolve(), kv
+    assert kv["quantize.imatrix.entries_count"] == len(
+        read_imatrix_raw(tiny_run["imatrix"])["sums"]) > 0, kv
+    assert kv["quantize.imatrix.chunks_count"] > 0, kv
 
 
 @pytest.mark.slow
@@ -282,6 +290,28 @@ def test_eval_checks_its_text_and_ctx_as_run_does(tiny_run, tmp_path):
                           "--chunks", "1"])
     assert rc == 2 and f"--ctx {2 * n_ctx} is longer than the model's context" in err, \
         err[-2000:]
+
+
+@pytest.mark.slow
+def test_eval_header_names_the_chunks_a_short_text_gets(tiny_run, tmp_path):
+    """A text that holds fewer than --chunks chunks: llama-perplexity scores what it holds,
+    and the header (report.md's first line) says that number, not the --chunks asked for (a
+    tester's report.md said --chunks 8 over 3 scored chunks)."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(tiny_run["model"])
+    text = tmp_path / "short.txt"
+    line = "The quick brown fox jumps over the lazy dog. "
+    text.write_text(line * 40)
+    n = len(tok(text.read_text()).input_ids)
+    want = n // 128
+    assert 1 <= want < 8, n
+    rc, stdout, stderr = run_cli(["eval", "--model", str(tiny_run["model"]), "--gguf",
+                                  str(tiny_run["gguf"]), "--eval_text", str(text),
+                                  "--ctx", "128", "--chunks", "8"])
+    assert rc == 0, stderr[-3000:]
+    assert f"llama-perplexity scores {want} chunks of 128 on it, not --chunks 8" in stderr
+    header = next(ln for ln in stdout.splitlines() if ln.startswith("llama-perplexity -c"))
+    assert header.startswith(f"llama-perplexity -c 128 --chunks {want} on "), header
 
 
 def test_eval_of_a_run_folders_gguf_scores_the_runs_text(tiny_run, monkeypatch):

@@ -170,6 +170,20 @@ def test_a_journal_of_other_hessian_blocks_names_the_way_to_resume(tiny_fixed, t
     assert rc == 0, se[-3000:]
 
 
+def test_a_journal_of_other_menus_names_the_menu_flags(tiny_fixed, tmp_path):  # noqa: F811
+    """A folder trained with other --candidate_types: the refusal named two sha256s (menus,
+    rounding_feedback), not the flags a user changed (a tester's report)."""
+    out = tmp_path / "run"
+    argv = ["train", "--model", str(tiny_fixed), "--output_dir", str(out), *SMALL,
+            "--rounding", "ggml"]
+    rc, so, se = run_cli(argv)
+    assert rc == 0, se[-3000:]
+    rc, so, se = run_cli(argv + ["--candidate_types", "Q8_0,Q4_K,IQ4_XS"])
+    line = error_line(rc, se)
+    assert "training journal" in line and "candidate menus are not this run's" in line \
+        and "--candidate_types" in line, line
+
+
 def test_an_edited_calibration_text_refuses_the_journal_before_the_stages(tiny_fixed, tmp_path):  # noqa: F811,E501
     """The --data_name text edited after a run: the data folder is rebuilt from it, and the
     journal of the old tokens is refused right after the data stage (before the imatrix, the

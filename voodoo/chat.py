@@ -174,13 +174,10 @@ def port_in_use(host: str, port: int) -> bool:
 
 def _die_with_parent() -> None:
     """In the child before exec: SIGTERM when the process that started it dies, even by
-    SIGKILL (Linux ``prctl(PR_SET_PDEATHSIG)``), so a killed ``voodoo serve`` leaves no
-    llama-server holding its port. A no-op elsewhere."""
-    try:
-        import ctypes
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
+    SIGKILL (:func:`voodoo.proc.die_with_parent`), so a killed ``voodoo serve`` leaves no
+    llama-server holding its port."""
+    from .proc import die_with_parent
+    die_with_parent()
 
 
 class LlamaServer:

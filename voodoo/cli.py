@@ -169,8 +169,11 @@ def _nonnegative_float(text):
 
 def _file_stem(text):
     """An argparse ``type`` for ``--output_name``: a plain file name, written inside
-    ``--output_dir`` (no folder part, no ``..``)."""
+    ``--output_dir`` (no folder part, no ``..``); a ``.gguf`` ending, in any case, is taken
+    off (``my.GGUF`` -> ``my``: the files are ``my.gguf``, ``my.assignment.json``, ...)."""
     t = str(text)
+    if t.lower().endswith(".gguf"):
+        t = t[:-5]
     if not t.strip() or "/" in t or "\\" in t or t in (".", "..") or t.startswith("."):
         raise argparse.ArgumentTypeError(
             f"{text!r} is not a plain file name; the files are written inside --output_dir "
@@ -435,8 +438,9 @@ def _budget_flags(ap):
                     help="safety margin taken off the budget, in [0, 1) (0.01: aim 1%% under)")
     ap.add_argument("--match_size", default=None,
                     help="aim the GGUF file at the size of a stock llama.cpp file type (e.g. "
-                         "Q4_K_M: quantized by llama-quantize from the same base and imatrix) "
-                         "or at a number of bytes; the file lands at or under it, within 0.5%%")
+                         "Q4_K_M: quantized by llama-quantize from the same base and imatrix), "
+                         "of a file (e.g. a GGUF you have) or at a number of bytes; the file "
+                         "lands at or under it, within 0.5%%")
     ap.add_argument("--size_tolerance", type=_nonnegative_float, default=0.005,
                     help="dead zone of the size penalty: no penalty while the expected size "
                          "is within this fraction of the budget")
@@ -878,8 +882,9 @@ def _check_eval_text_tokens(a, tokenizer, gguf=None) -> None:
 
 
 def _match_size_target(value) -> int | str:
-    """``--match_size``: a number of bytes (int; ``_`` separators allowed) or a llama.cpp file
-    type (its upper-case name). Raises UsageError for anything else."""
+    """``--match_size``: a number of bytes (int; ``_`` separators allowed), a llama.cpp file
+    type (its name, any case), or an existing file (a GGUF to match: its size in bytes, the
+    type names first). Raises UsageError for anything else."""
     t = str(value).strip()
     if t.replace("_", "").isdigit():
         if int(t.replace("_", "")) < 1:
@@ -890,10 +895,20 @@ def _match_size_target(value) -> int | str:
     from .llamacpp import quantize_ftypes
     from .quants import FTYPE_NOMINAL_BPW
     known = [k for k in (quantize_ftypes() or sorted(FTYPE_NOMINAL_BPW)) if k != "COPY"]
-    if t.upper() not in known:
-        raise UsageError(f"--match_size {t!r}: give a number of bytes or a llama.cpp "
-                         f"file type ({', '.join(known)})")
-    return t.upper()
+    if t.upper() in known:
+        return t.upper()
+    p = Path(t).expanduser()
+    if p.is_file():
+        size = p.stat().st_size
+        if size < 1:
+            raise UsageError(f"--match_size {t}: the file is empty; give a GGUF to match, a "
+                             "number of bytes or a llama.cpp file type")
+        return size
+    if p.is_dir() or "/" in t or t.lower().endswith(".gguf"):
+        raise UsageError(f"--match_size {t}: no such file (a GGUF to match the size of); give "
+                         "an existing file, a number of bytes or a llama.cpp file type")
+    raise UsageError(f"--match_size {t!r}: give a number of bytes, a GGUF file to match or a "
+                     f"llama.cpp file type ({', '.join(known)})")
 
 
 def _check_ray_address(a) -> None:
@@ -1021,7 +1036,11 @@ def _model_arg(a):
         return a.model
     recorded = _recorded_model(a)
     if recorded:
-        log(f"--model not given: using {recorded} (recorded by Voodoo)")
+        asg = getattr(a, "assignment", None)
+        how = ("the model its --assignment names" if asg and Path(asg).is_file() else
+               "the last folder this machine's Voodoo cache saw with the weights the GGUF "
+               "was made from (same content hash)")
+        log(f"--model not given: using {recorded}, {how}; --model to choose another")
         a.model = recorded
         return recorded
     from .models import default_model
@@ -1086,12 +1105,15 @@ def _recorded_model(a) -> str | None:
     return None
 
 
-def _provenance(a, assignment, prepared=None, specs=None) -> dict:
+def _provenance(a, assignment, prepared=None, specs=None, imatrix=None) -> dict:
     """``voodoo.*`` KV pairs for the exported GGUF: the model it was made from (name and
     content hash, :func:`voodoo.export.model_id`; never a local path; the hash is indexed in
     the local cache so ``eval``/``chat --reference`` find the model again), the budget and
     size in bytes (with ``specs``, the selectable tensors' bytes at the assignment's types,
-    not its ``total_bytes``, which a hand edit leaves stale), the llama.cpp commit."""
+    not its ``total_bytes``, which a hand edit leaves stale), the llama.cpp commit; with
+    ``imatrix`` (the file the candidates were quantized with) the ``quantize.imatrix.*`` keys
+    llama-quantize writes for it (:func:`voodoo.imatrix.quantize_imatrix_kv`), by which
+    llama.cpp users and the Hub tell an imatrix quant."""
     from .export import record_model
     from .llamacpp import llama_cpp_commit
     if prepared is None:
@@ -1107,10 +1129,14 @@ def _provenance(a, assignment, prepared=None, specs=None) -> dict:
             log(f"the assignment says total_bytes {total:,}, and its types take {held:,} "
                 "bytes (edited by hand?): the GGUF records the latter")
             total = held
-    return {"voodoo.model": record_model(prepared),
-            "voodoo.budget_bytes": int(assignment["budget_bytes"]),
-            "voodoo.selectable_bytes": total,
-            "voodoo.llama_cpp_commit": llama_cpp_commit()}
+    kv = {"voodoo.model": record_model(prepared),
+          "voodoo.budget_bytes": int(assignment["budget_bytes"]),
+          "voodoo.selectable_bytes": total,
+          "voodoo.llama_cpp_commit": llama_cpp_commit()}
+    if imatrix is not None:
+        from .imatrix import quantize_imatrix_kv
+        kv.update(quantize_imatrix_kv(imatrix))
+    return kv
 
 
 def _print_recipe(gguf: Path, base_gguf: Path, imatrix) -> None:
@@ -1379,16 +1405,38 @@ def _ratio(a) -> float | None:
     return a.compression_ratio
 
 
+def _match_badge(a) -> str | None:
+    """``--match_size TYPE``: the file type the file is sized as (the file-name badge and
+    ``general.file_type``, which llama.cpp prints as the model's type), where llama.cpp has a
+    file type of that name; else None (the badge is the type of the nearest nominal bpw)."""
+    m = getattr(a, "match_size", None)
+    if not m:
+        return None
+    try:
+        t = _match_size_target(m)
+    except UsageError:
+        return None
+    if not isinstance(t, str):
+        return None
+    from .export import badge_file_type
+    try:
+        badge_file_type(t)
+    except ValueError:
+        return None
+    return t
+
+
 def _stem(ctx, a, assignment) -> str:
     from .export import output_name
     if a.output_name:
-        return a.output_name.removesuffix(".gguf")  # a stem: --output_name my.gguf -> my.gguf
+        return a.output_name  # a stem (_file_stem): --output_name my.gguf -> my.gguf
     n = sum(ctx.specs[i].n_rows * ctx.specs[i].n_per_row for i in range(len(ctx.specs)))
     bpw = 8.0 * assignment["total_bytes"] / n
     from .quants import Q8_0, tensor_nbytes
     q8 = sum(tensor_nbytes(Q8_0, s.n_rows, s.n_per_row) for s in ctx.specs)
     pct = round(100 * assignment["budget_bytes"] / q8)
-    return output_name(ctx.prepared.name, pct, bpw).removesuffix(".gguf")
+    return output_name(ctx.prepared.name, pct, bpw,
+                       badge=assignment.get("badge")).removesuffix(".gguf")
 
 
 _SAID_SOURCE_TYPES: set[str] = set()
@@ -1936,6 +1984,10 @@ class Run:
                     whose += (f" ({self.out / 'data.previous'} holds the dataset before this "
                               "rebuild: move it back to data/ and rerun with the old flags to "
                               "resume that run)")
+            if "menus" in diff:
+                whose += ("; its candidate menus are not this run's: --candidate_types, "
+                          "--attention_candidates or --non_attention_candidates changed (or "
+                          "the llama.cpp build, whose shape fallbacks shape them)")
             resume = ""
             if "rounding" in diff and set(diff) <= {"rounding", "hessian_blocks",
                                                     "rounding_feedback"}:
@@ -2172,6 +2224,9 @@ class Run:
         with self.timer("bake"):
             self.assignment = bake_assignment(gates, self.menus, self.table, budget,
                                               **self.bake_options())
+            badge = _match_badge(a)
+            if badge:   # --match_size Q3_K_S: the file is named and typed as the one it matches
+                self.assignment["badge"] = badge
             self.stem = _stem(self.ctx, a, self.assignment)
             from .llamacpp import llama_cpp_commit
             self.assignment["model"] = str(Path(_model_arg(a)).resolve()) \
@@ -2240,7 +2295,8 @@ class Run:
             self.gguf = export(self.ctx, self.assignment, self.keys, self.cache,
                                self.out / f"{self.stem}.gguf",
                                extra_kv=_provenance(self.a, self.assignment,
-                                                    self.ctx.prepared, self.ctx.specs))
+                                                    self.ctx.prepared, self.ctx.specs,
+                                                    getattr(self, "imatrix_path", None)))
         print(f"wrote {self.gguf} ({self.gguf.stat().st_size / 2**20:.1f} MiB)")
         _print_recipe(self.gguf, self.ctx.prepared.base_gguf,
                       getattr(self, "imatrix_path", None))
@@ -2809,10 +2865,11 @@ def _export(argv):
     keys = ensure_candidates(r.ctx, menus, r.im, r.cache, _precache_fn(a),
                              hessians=getattr(r, "hessians", None),
                              feedback=r.feedback_for(menus))
-    stem = (a.output_name.removesuffix(".gguf") if a.output_name else
+    stem = (a.output_name if a.output_name else
             Path(a.assignment).name.removesuffix(".assignment.json").removesuffix(".json"))
     p = export(r.ctx, asg, keys, r.cache, r.out / f"{stem}.gguf",
-               extra_kv=_provenance(a, asg, r.ctx.prepared, r.ctx.specs))
+               extra_kv=_provenance(a, asg, r.ctx.prepared, r.ctx.specs,
+                                    getattr(r, "imatrix_path", None)))
     print(f"wrote {p} ({Path(p).stat().st_size / 2**20:.1f} MiB)")
     _print_recipe(p, r.ctx.prepared.base_gguf, getattr(r, "imatrix_path", None))
     return 0
@@ -2897,9 +2954,10 @@ def _eval(argv):
             except (OSError, ValueError):
                 config = None
             _check_seq_len(SimpleNamespace(seq_len=None, ctx=a.ctx), config)
-            _check_eval_text_tokens(SimpleNamespace(eval_text=text, ctx=a.ctx, chunks=a.chunks),
-                                    hf_from_pretrained(AutoTokenizer, prepared.hf_dir),
+            ns = SimpleNamespace(eval_text=text, ctx=a.ctx, chunks=a.chunks)
+            _check_eval_text_tokens(ns, hf_from_pretrained(AutoTokenizer, prepared.hf_dir),
                                     prepared.reference_gguf)
+            a.chunks = ns.chunks  # a short text: the chunks llama-perplexity scores, not asked
         from .llamatext import text_note
         header = (f"llama-perplexity -c {a.ctx} --chunks {a.chunks} on {text}"
                   f"{text_note(prepared.reference_gguf, text)}; KLD against "

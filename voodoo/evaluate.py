@@ -234,7 +234,9 @@ def _run_tool(args: list[str], timeout: float | None, desc: str | None = None) -
     from .progress import Progress
     if _NO_REPACK and "--no-repack" not in args:
         args = [*args, "--no-repack"]
-    p = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=tool_env())
+    from .proc import die_with_parent
+    p = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=tool_env(),
+                         preexec_fn=die_with_parent)
     parts: list[str] = []
     state = {"bar": None}
 

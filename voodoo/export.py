@@ -170,7 +170,10 @@ def export_gguf(base_gguf: str | os.PathLike, assignment,
             nearest_ftype` of the assigned tensors' bits per weight (their bytes after the
             shape fallback × 8 / their weights), so ``…Voodoo55_Q4_K_S.gguf`` says
             ``MOSTLY_Q4_K_S`` (llama.cpp shows it as the model's type).
-        extra_kv: more string/int/float/bool KV pairs (e.g. ``{"voodoo.assignment": ...}``).
+        extra_kv: more string/int/float/bool KV pairs (e.g. ``{"voodoo.assignment": ...}``;
+            an ``np.uint32`` value is written as UINT32, as llama-quantize writes its
+            ``quantize.imatrix.*`` counts). A base key of the same name is not copied, nor
+            are the base's ``quantize.imatrix.*`` keys.
 
     Tensors not in the assignment are copied from the base unchanged (norms stay F32).
     ``general.quantization_version`` is set to 2 (``GGML_QNT_VERSION``).
@@ -220,7 +223,11 @@ def export_gguf(base_gguf: str | os.PathLike, assignment,
     os.close(fd)
     writer = GGUFWriter(tmp, arch)
     try:
-        copy_kv(reader, writer, skip=["general.file_type", "general.quantization_version"])
+        # a quantized --model's base may carry its source's quantize.imatrix.* keys: they
+        # describe another file's imatrix (this file's come in extra_kv)
+        copy_kv(reader, writer, skip=["general.file_type", "general.quantization_version",
+                                      *(extra_kv or {})],
+                skip_prefixes=(VOODOO_KEY_PREFIX, "quantize.imatrix."))
         if file_type is None:
             file_type = (badge_file_type(nearest_ftype(8.0 * assigned_bytes / assigned_weights))
                          if assigned_weights else dominant_file_type(weights_per_type))
@@ -293,6 +300,8 @@ def _byte_shape(shape: list[int], raw: GGMLQuantizationType) -> list[int]:
 def _add_scalar(writer: GGUFWriter, key: str, v: Any) -> None:
     if isinstance(v, bool):
         writer.add_bool(key, v)
+    elif isinstance(v, np.uint32):   # llama-quantize's own integer keys (quantize.imatrix.*)
+        writer.add_uint32(key, int(v))
     elif isinstance(v, int):
         writer.add_int64(key, v) if v < 0 else writer.add_uint64(key, v)
     elif isinstance(v, float):
@@ -445,12 +454,14 @@ def gguf_model_id(path: str | os.PathLike) -> str | None:
     return None if f is None else str(f.contents())
 
 
-def output_name(model_name: str, ratio_percent: float, bpw: float) -> str:
+def output_name(model_name: str, ratio_percent: float, bpw: float,
+                badge: str | None = None) -> str:
     """The exported file's name: ``<Model>.Voodoo<ratio>_<badge>.gguf``, e.g.
     ``SmolLM2-135M-Instruct.Voodoo45_Q3_K_M.gguf``: ``ratio`` is the size budget as a percent
     (rounded to an integer) and ``badge`` the llama.cpp file type whose nominal bpw is nearest
-    the file's (:func:`voodoo.quants.nearest_ftype`)."""
-    return f"{model_name}.Voodoo{int(round(ratio_percent))}_{nearest_ftype(bpw)}.gguf"
+    the file's (:func:`voodoo.quants.nearest_ftype`), unless given (``--match_size Q3_K_S``:
+    the file type whose size the file matches)."""
+    return f"{model_name}.Voodoo{int(round(ratio_percent))}_{badge or nearest_ftype(bpw)}.gguf"
 
 
 def _weight_types(base_gguf: str | os.PathLike) -> dict[str, GGMLQuantizationType]:
@@ -541,8 +552,9 @@ def quantize_with_llama(base_gguf: str | os.PathLike, out: str | os.PathLike,
     if n_threads:
         cmd.append(str(int(n_threads)))
     try:
+        from .proc import die_with_parent
         r = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                           errors="replace", timeout=timeout)
+                           errors="replace", timeout=timeout, preexec_fn=die_with_parent)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise

@@ -318,6 +318,29 @@ def _read_gguf(path: Path) -> dict:
             "legacy": False}
 
 
+#: The keys llama-quantize writes into a GGUF quantized with an imatrix
+#: (``tools/quantize/quantize.cpp``: ``LLM_KV_QUANTIZE_IMATRIX_*``).
+QUANTIZE_IMATRIX_PREFIX = "quantize.imatrix."
+
+
+def quantize_imatrix_kv(path: str | os.PathLike) -> dict:
+    """The ``quantize.imatrix.*`` KV pairs llama-quantize writes when given ``--imatrix path``
+    (``tools/quantize/quantize.cpp``, ``main``): ``file`` (the path as given, at most 127
+    characters), ``dataset`` (the first of the file's ``imatrix.datasets``, at most 127; absent
+    when it has none), ``entries_count`` (the number of tensors it holds) and ``chunks_count``
+    (its chunk count; absent when 0). The counts are ``np.uint32``: llama.cpp writes integer
+    overrides as UINT32 (``llama_model_quantize_impl``, ``src/llama-quant.cpp``). Raises
+    ImatrixError when the file cannot be read."""
+    raw = read_imatrix_raw(path)
+    kv: dict = {QUANTIZE_IMATRIX_PREFIX + "file": str(path)[:127]}
+    if raw["datasets"]:
+        kv[QUANTIZE_IMATRIX_PREFIX + "dataset"] = str(raw["datasets"][0])[:127]
+    kv[QUANTIZE_IMATRIX_PREFIX + "entries_count"] = np.uint32(len(raw["sums"]))
+    if raw["chunk_count"] > 0:
+        kv[QUANTIZE_IMATRIX_PREFIX + "chunks_count"] = np.uint32(raw["chunk_count"])
+    return kv
+
+
 def _read_legacy(path: Path) -> dict:
     buf = path.read_bytes()
     pos = 0
@@ -403,8 +426,10 @@ def llama_imatrix(base_gguf: str | os.PathLike, blocks, out_path: str | os.PathL
         cmd = [str(tool_path("llama-imatrix")), "-m", str(base_gguf), "-f", str(text),
                "-o", str(part), "-c", str(t), "--chunks", str(n), "--no-ppl",
                "--process-output", "-t", str(threads or os.cpu_count() or 1)]
+        from .proc import die_with_parent
         r = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                           errors="replace", timeout=timeout, env=tool_env())
+                           errors="replace", timeout=timeout, env=tool_env(),
+                           preexec_fn=die_with_parent)
         if r.returncode or not part.is_file():
             tail = "\n".join(r.stdout.strip().splitlines()[-15:])
             raise RuntimeError(f"llama-imatrix failed on {base_gguf}:\n{tail}")

@@ -808,10 +808,13 @@ def run_converter(cmd: Sequence[str], env: dict, timeout: float | None = None
     any of: [...]"), it runs again with the defaults of those keys passed
     (``VOODOO_CONVERTER_KEEP_DEFAULTS=key,...``), up to 8 times, then once with all of them
     (``*``): a config.json that relies on transformers' defaults still converts."""
+    from .proc import die_with_parent
+
     def run(keep):
         e = {**env, "VOODOO_CONVERTER_KEEP_DEFAULTS": ",".join(sorted(keep))} if keep else env
         return subprocess.run(cmd, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True, errors="replace", timeout=timeout)
+                              text=True, errors="replace", timeout=timeout,
+                              preexec_fn=die_with_parent)
     keep: set[str] = set()
     r = run(keep)
     for attempt in range(9):
@@ -986,7 +989,8 @@ def _converter_reason(hf_dir: Path, log: str) -> str:
                    "(tokenizer.model for SentencePiece families, tokenizer.json and "
                    "tokenizer_config.json for BPE ones)")
     elif re.search(r"mmap length is greater than file size|SafetensorError|"
-                   r"HeaderTooLarge|incomplete metadata|PytorchStreamReader failed|"
+                   r"HeaderTooLarge|incomplete metadata|Could not read complete metadata|"
+                   r"PytorchStreamReader failed|"
                    r"unexpected EOF|file is not a zip file", final, re.I):
         files = sorted(p.name for p in hf_dir.iterdir()
                        if p.suffix in (".safetensors", ".bin", ".pt", ".pth"))

@@ -1283,7 +1283,16 @@ def export(ctx: Context, assignment, keys, cache: CandidateCache, out_path,
     if out_path.exists():  # written atomically: the old file stays whole until the new one is
         log(f"{out_path.name} exists; it is replaced (--output_name NAME keeps both)"
             + _stale_report_note(out_path))
-    p = export_gguf(ctx.prepared.base_gguf, assignment, lookup, out_path, extra_kv=extra_kv)
+    file_type = None
+    if assignment.get("badge"):   # --match_size TYPE: general.file_type says the type matched
+        from .export import badge_file_type
+        try:
+            file_type = badge_file_type(assignment["badge"])
+        except ValueError:
+            log(f"the assignment's badge {assignment['badge']!r} is not a llama.cpp file type; "
+                "general.file_type is the one of the file's bpw")
+    p = export_gguf(ctx.prepared.base_gguf, assignment, lookup, out_path, extra_kv=extra_kv,
+                    file_type=file_type)
     tt = write_tensor_type_file(assignment, out_path.with_suffix(".tensor-types.txt"),
                                 base_gguf=ctx.prepared.base_gguf)
     if own:
