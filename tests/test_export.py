@@ -354,3 +354,33 @@ def test_output_name_takes_the_matched_file_type_as_its_badge():
     assert _match_badge(SimpleNamespace(match_size="q3_k_s")) == "Q3_K_S"
     for m in (None, "20000000", "Q9_K"):
         assert _match_badge(SimpleNamespace(match_size=m)) is None, m
+
+
+def test_provenance_names_the_imatrix_as_llama_quantize_does(tmp_path, capsys):
+    """``quantize.imatrix.*`` from the imatrix file (llama-quantize's keys, counts as UINT32);
+    an imatrix gone by export time costs the keys and a line, not the export."""
+    from types import SimpleNamespace
+
+    from voodoo import cli
+    from voodoo.imatrix import write_imatrix_gguf
+    names = ("blk.0.attn_q.weight", "blk.0.ffn_up.weight")
+    im = write_imatrix_gguf(tmp_path / "im.gguf", {n: np.ones((1, 8), np.float32) for n in names},
+                            {n: np.array([64]) for n in names}, datasets=["calib.txt"],
+                            chunk_count=4, chunk_size=16)
+    prepared = SimpleNamespace()
+    asg = {"total_bytes": 1, "budget_bytes": 1, "tensors": {}}
+    import voodoo.export as ex
+    orig = ex.record_model
+    ex.record_model = lambda p: "M@sha256:00"
+    try:
+        kv = cli._provenance(SimpleNamespace(), asg, prepared, None, im)
+        assert kv["quantize.imatrix.file"] == str(im)
+        assert kv["quantize.imatrix.dataset"] == "calib.txt"
+        assert kv["quantize.imatrix.entries_count"] == 2
+        assert kv["quantize.imatrix.chunks_count"] == 4
+        assert type(kv["quantize.imatrix.chunks_count"]) is np.uint32
+        kv = cli._provenance(SimpleNamespace(), asg, prepared, None, tmp_path / "gone.gguf")
+        assert not any(k.startswith("quantize.") for k in kv) and "voodoo.model" in kv
+        assert "the GGUF names no imatrix" in capsys.readouterr().err
+    finally:
+        ex.record_model = orig

@@ -1134,8 +1134,11 @@ def _provenance(a, assignment, prepared=None, specs=None, imatrix=None) -> dict:
           "voodoo.selectable_bytes": total,
           "voodoo.llama_cpp_commit": llama_cpp_commit()}
     if imatrix is not None:
-        from .imatrix import quantize_imatrix_kv
-        kv.update(quantize_imatrix_kv(imatrix))
+        from .imatrix import ImatrixError, quantize_imatrix_kv
+        try:
+            kv.update(quantize_imatrix_kv(imatrix))
+        except (ImatrixError, OSError) as e:  # the candidates are made: no reason to stop
+            log(f"the GGUF names no imatrix (no quantize.imatrix.* keys): {e}")
     return kv
 
 
