@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .llamacpp import tool_env, tool_path
+from .proc import die_with_parent
 
 __all__ = ["ChatError", "generate", "side_by_side", "Reply", "LlamaServer", "complete",
            "free_port", "port_in_use", "has_chat_template"]
@@ -172,14 +173,6 @@ def port_in_use(host: str, port: int) -> bool:
     return False
 
 
-def _die_with_parent() -> None:
-    """In the child before exec: SIGTERM when the process that started it dies, even by
-    SIGKILL (:func:`voodoo.proc.die_with_parent`), so a killed ``voodoo serve`` leaves no
-    llama-server holding its port."""
-    from .proc import die_with_parent
-    die_with_parent()
-
-
 class LlamaServer:
     """``llama-server -m GGUF --host HOST --port PORT`` as a context manager.
 
@@ -235,7 +228,7 @@ class LlamaServer:
         self._logf = open(self.log, "w")
         self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=self._logf,
                                      stderr=subprocess.STDOUT, env=tool_env(),
-                                     preexec_fn=_die_with_parent)
+                                     preexec_fn=die_with_parent)
         deadline = time.monotonic() + timeout
         while True:
             if self.proc.poll() is not None:

@@ -69,6 +69,9 @@ def assignment_types(assignment: Mapping[str, Any] | str | os.PathLike) -> dict[
 #: ``voodoo.budget_bytes``, ``voodoo.rounding``, ...): it describes one export and is never
 #: carried into another file made from it.
 VOODOO_KEY_PREFIX = "voodoo."
+#: The keys llama-quantize writes into a GGUF quantized with an imatrix
+#: (``tools/quantize/quantize.cpp``: ``LLM_KV_QUANTIZE_IMATRIX_*``).
+QUANTIZE_IMATRIX_PREFIX = "quantize.imatrix."
 
 
 def copy_kv(reader: GGUFReader, writer: GGUFWriter, skip: Iterable[str] = (),
@@ -227,7 +230,7 @@ def export_gguf(base_gguf: str | os.PathLike, assignment,
         # describe another file's imatrix (this file's come in extra_kv)
         copy_kv(reader, writer, skip=["general.file_type", "general.quantization_version",
                                       *(extra_kv or {})],
-                skip_prefixes=(VOODOO_KEY_PREFIX, "quantize.imatrix."))
+                skip_prefixes=(VOODOO_KEY_PREFIX, QUANTIZE_IMATRIX_PREFIX))
         if file_type is None:
             file_type = (badge_file_type(nearest_ftype(8.0 * assigned_bytes / assigned_weights))
                          if assigned_weights else dominant_file_type(weights_per_type))

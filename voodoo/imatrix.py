@@ -318,11 +318,6 @@ def _read_gguf(path: Path) -> dict:
             "legacy": False}
 
 
-#: The keys llama-quantize writes into a GGUF quantized with an imatrix
-#: (``tools/quantize/quantize.cpp``: ``LLM_KV_QUANTIZE_IMATRIX_*``).
-QUANTIZE_IMATRIX_PREFIX = "quantize.imatrix."
-
-
 def quantize_imatrix_kv(path: str | os.PathLike) -> dict:
     """The ``quantize.imatrix.*`` KV pairs llama-quantize writes when given ``--imatrix path``
     (``tools/quantize/quantize.cpp``, ``main``): ``file`` (the path as given, at most 127
@@ -331,6 +326,7 @@ def quantize_imatrix_kv(path: str | os.PathLike) -> dict:
     (its chunk count; absent when 0). The counts are ``np.uint32``: llama.cpp writes integer
     overrides as UINT32 (``llama_model_quantize_impl``, ``src/llama-quant.cpp``). Raises
     ImatrixError when the file cannot be read."""
+    from .export import QUANTIZE_IMATRIX_PREFIX
     raw = read_imatrix_raw(path)
     kv: dict = {QUANTIZE_IMATRIX_PREFIX + "file": str(path)[:127]}
     if raw["datasets"]:
