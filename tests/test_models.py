@@ -52,14 +52,10 @@ def test_missing_path_and_wrong_files(tmp_path, monkeypatch):
     (tmp_path / "bad.gguf").write_bytes(b"not a gguf")
     with pytest.raises(ModelPreparationError, match="not a readable GGUF"):
         prepare_model(tmp_path / "bad.gguf", work_dir=tmp_path / "w")
-    # a Voodoo export as the model: said before anything is converted (the conversion stubbed
-    # out: this GGUF holds no tensors)
-    import voodoo.models as vm
+    # a Voodoo export as the model: said before anything is converted; a GGUF without tensors
+    # (llama.cpp's vocab-only models/ggml-vocab-*.gguf) is refused before transformers would
+    # build a random model of its config's default size
     from gguf import GGUFWriter
-
-    def no_conversion(path, hf_dir, arch):
-        raise ModelPreparationError("transformers could not load it (stub)")
-    monkeypatch.setattr(vm, "_gguf_to_hf", no_conversion)
     w = GGUFWriter(str(tmp_path / "m.Voodoo55_Q4_K_S.gguf"), "llama")
     w.add_string("voodoo.model", "m@sha256:0123")
     w.write_header_to_file()
@@ -68,8 +64,9 @@ def test_missing_path_and_wrong_files(tmp_path, monkeypatch):
     w.close()
     with pytest.warns(UserWarning, match=r"m.Voodoo55_Q4_K_S.gguf is a Voodoo export \(of "
                                          r"m@sha256:0123\): its weights are already quantized"):
-        with pytest.raises(ModelPreparationError, match="transformers could not load"):
+        with pytest.raises(ModelPreparationError, match=r"holds no tensors \(a vocab-only GGUF"):
             prepare_model(tmp_path / "m.Voodoo55_Q4_K_S.gguf", work_dir=tmp_path / "w2")
+    assert not (tmp_path / "w2").exists() or not any((tmp_path / "w2").rglob("config.json"))
     (tmp_path / "empty").mkdir()
     with pytest.raises(ModelPreparationError, match="no config.json"):
         prepare_model(tmp_path / "empty")
@@ -197,6 +194,47 @@ def test_make_tiny_model_is_deterministic(tiny_model_dir, tmp_path):
     assert sorted(a) == sorted(b) and all(np.array_equal(a[k], b[k]) for k in a)
     c = load_file(str(next(make_tiny_model(tmp_path / "t3", seed=1).glob("*.safetensors"))))
     assert not np.array_equal(a["model.embed_tokens.weight"], c["model.embed_tokens.weight"])
+
+
+
+def test_a_checkpoint_missing_a_weight_is_refused(tiny_model_dir, tmp_path):
+    """transformers initialises a weight the checkpoint lacks at random and only prints a
+    report; Voodoo refuses it, naming the weight, before anything is quantized."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from voodoo.models import load_hf_model
+    d = tmp_path / "partial"
+    shutil.copytree(tiny_model_dir, d)
+    f = next(d.glob("*.safetensors"))
+    sd = load_file(str(f))
+    del sd["model.layers.1.mlp.down_proj.weight"]
+    save_file(sd, str(f), metadata={"format": "pt"})
+    with pytest.raises(ModelPreparationError, match=r"lacks 1 of the model's weights "
+                       r"\(model\.layers\.1\.mlp\.down_proj\.weight\): transformers would "
+                       r"initialise them at random"):
+        load_hf_model(d)
+    assert load_hf_model(tiny_model_dir).model.layers[1].mlp.down_proj.weight.shape[0] > 0
+
+
+def test_a_part_of_a_split_gguf_is_refused_with_the_merge_command(tmp_path):
+    """llama.cpp's gguf-split parts (split.no, split.count in each): later parts have no
+    general.architecture; every part is named as such, with the command that merges them."""
+    from gguf import GGUFWriter
+    w = GGUFWriter(str(tmp_path / "m.gguf"), "llama", split_max_tensors=1)   # gguf-py's split
+    w.add_block_count(1)
+    w.add_tensor("token_embd.weight", np.zeros((4, 32), np.float32))
+    w.add_tensor("output_norm.weight", np.ones(32, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    for no in (1, 2):
+        with pytest.raises(ModelPreparationError, match=rf"is part {no} of 2 of a split GGUF "
+                           r"\(llama.cpp's gguf-split\): merge the parts .*llama-gguf-split "
+                           r"--merge"):
+            prepare_model(tmp_path / f"m-0000{no}-of-00002.gguf", work_dir=tmp_path / "w")
 
 
 # ----------------------------------------------------------------------------- GGUF

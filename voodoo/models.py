@@ -282,10 +282,20 @@ def _base_intact(base: Path) -> bool:
 def _prepare_gguf(path: Path, work_dir) -> PreparedModel:
     from .ggufio import read_gguf
     try:
-        fields = read_gguf(path).fields
-        arch = fields["general.architecture"].contents()
+        reader = read_gguf(path)
+        fields = reader.fields
+        n_split = int(fields["split.count"].contents()) if "split.count" in fields else 1
+        if n_split <= 1:
+            arch = fields["general.architecture"].contents()
     except Exception as e:
         raise ModelPreparationError(f"{path} is not a readable GGUF file: {e}") from e
+    if n_split > 1:
+        # llama.cpp's gguf-split writes split.no (0-based) and split.count into every part
+        no = int(fields["split.no"].contents()) + 1 if "split.no" in fields else "?"
+        raise ModelPreparationError(
+            f"{path} is part {no} of {n_split} of a split GGUF (llama.cpp's gguf-split): merge "
+            f"the parts into one file first, `llama-gguf-split --merge <first part> "
+            f"<merged.gguf>`, and pass that")
     if "voodoo.model" in fields:   # written by voodoo export (voodoo.cli._provenance)
         try:
             made_from = str(fields["voodoo.model"].contents())
@@ -294,6 +304,13 @@ def _prepare_gguf(path: Path, work_dir) -> PreparedModel:
         warnings.warn(f"{path.name} is a Voodoo export (of {made_from}): its weights are "
                       "already quantized, and quantizing them again adds a second rounding "
                       "to the first; give the model it was made from", stacklevel=2)
+    if not reader.tensors:
+        # transformers would build a randomly initialised model of the config's default size
+        # (a vocab-only GGUF of llama.cpp's models/ggml-vocab-*.gguf: an 8B llama, 32 GB)
+        raise ModelPreparationError(
+            f"{path} holds no tensors (a vocab-only GGUF such as llama.cpp's "
+            "models/ggml-vocab-*.gguf?): there are no weights to quantize; pass a GGUF with the "
+            "model's weights, or its HF folder")
     key = sha256_file(path)[:16]
     d = _cache_dir(key, work_dir, source=path)
     hf_dir = d / "hf"
@@ -320,13 +337,14 @@ def _gguf_to_hf(path: Path, hf_dir: Path, arch: str) -> None:
                                 dir=hf_dir.parent))
     try:
         try:
-            model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
-                                                         dtype=torch.float32)
+            model, info = AutoModelForCausalLM.from_pretrained(
+                path.parent, gguf_file=path.name, dtype=torch.float32, output_loading_info=True)
             tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
         except Exception as e:
             raise ModelPreparationError(
                 f"transformers could not load {path} (GGUF architecture {arch!r}) as a causal "
                 f"LM: {type(e).__name__}: {e}. Pass the model's HF folder instead.") from e
+        refuse_missing_weights(path, info)
         # transformers marks a GGUF-loaded model as "quantized with gguf" and refuses to save
         # it, although its weights are plain dequantized tensors: drop the marker.
         model.hf_quantizer = None
@@ -1164,16 +1182,34 @@ def load_hf_model(prepared: PreparedModel | str | os.PathLike, dtype=None):
     qc = dequantizing_config(d)
     if qc is not None:
         kw["quantization_config"] = qc
+    kw["output_loading_info"] = True
     try:
-        model = hf_from_pretrained(AutoModelForCausalLM, d, **kw)
+        model, info = hf_from_pretrained(AutoModelForCausalLM, d, **kw)
     except ValueError:
         archs = json.loads((d / "config.json").read_text()).get("architectures") or []
         cls = getattr(transformers, archs[0], None) if archs else None
         if cls is None or not archs[0].endswith("ForConditionalGeneration"):
             raise
-        model = cls.from_pretrained(d, **kw)
+        model, info = cls.from_pretrained(d, **kw)
+    refuse_missing_weights(d, info)
     model.eval()
     return model
+
+
+def refuse_missing_weights(source, info: dict) -> None:
+    """Raises :class:`ModelPreparationError` when transformers' loading info (``info`` from
+    ``from_pretrained(..., output_loading_info=True)``) names parameters the checkpoint did not
+    hold: transformers initialises them at random and only prints a report, so a missing shard
+    or a truncated download would otherwise be quantized as if it were the model."""
+    missing = sorted((info or {}).get("missing_keys") or ())
+    if missing:
+        shown = ", ".join(missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4
+                                          else "")
+        raise ModelPreparationError(
+            f"{source} lacks {len(missing)} of the model's weights ({shown}): transformers "
+            "would initialise them at random. The checkpoint is incomplete or does not match "
+            "its config.json (a missing shard, an interrupted download, a split GGUF given by "
+            "one part); give the complete model")
 
 
 # ------------------------------------------------------------------------- default model

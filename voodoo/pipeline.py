@@ -205,9 +205,15 @@ def load_base_checkpoint(ctx: Context, path) -> None:
     ``ctx.model`` in float32 (``--base_checkpoint``): the student's frozen weights and the
     teacher's come from it; candidates still come from the base F32 GGUF.
 
-    Raises ValueError when the folder's tensors do not match the model's names and shapes."""
+    Raises ValueError when the folder lacks weights (ModelPreparationError) or its tensors do
+    not match the model's names and shapes."""
     from transformers import AutoModelForCausalLM
-    other = hf_from_pretrained(AutoModelForCausalLM, path, dtype=torch.float32).state_dict()
+
+    from .models import refuse_missing_weights
+    other, info = hf_from_pretrained(AutoModelForCausalLM, path, dtype=torch.float32,
+                                     output_loading_info=True)
+    refuse_missing_weights(f"--base_checkpoint {path}", info)
+    other = other.state_dict()
     mine = ctx.model.state_dict()
     bad = [k for k in mine if k not in other or other[k].shape != mine[k].shape]
     if bad:
