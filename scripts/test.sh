@@ -10,4 +10,4 @@ if [ "${free_kb:-0}" -lt 4000000 ]; then
          "about 3 GB there (set TMPDIR to a bigger disk, or free space: voodoo doctor shows" \
          "the size of Voodoo's cache)" >&2
 fi
-python3 -m pytest -q -ra --durations=25 tests "$@"
+python3 -m pytest -q -ra --durations=40 tests "$@"
