@@ -1163,7 +1163,8 @@ def load_hf_model(prepared: PreparedModel | str | os.PathLike, dtype=None):
     A YaRN RoPE with ``truncate: false`` is loaded as ggml computes it, rounded
     (:func:`_rope_as_ggml`), with one line.
 
-    Returns the ``transformers`` model (on CPU)."""
+    Returns the ``transformers`` model (on CPU). Raises :class:`ModelPreparationError` when
+    the checkpoint lacks weights the model has (:func:`refuse_missing_weights`)."""
     import torch
     import transformers
     from transformers import AutoModelForCausalLM
