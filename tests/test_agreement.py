@@ -170,6 +170,23 @@ def test_logits_input_must_have_bos_where_llama_cpp_puts_it(tiny_prepared, tiny_
     assert torch.equal(ag._with_bos(t, {"bos": None}), t)
 
 
+
+def test_a_tokenizer_longer_than_the_embedding_is_named(tiny_prepared, tiny_tokens):
+    """Logits one entry shorter than the GGUF's tokenizer (a token added to the tokenizer
+    without resizing the embedding): refused before llama.cpp runs, naming both sizes and the
+    fix, not Voodoo's internal files."""
+    n_vocab = gguf_vocab(tiny_prepared.base_gguf)["n_vocab"]
+    t = tiny_tokens.clone()
+    bos = gguf_vocab(tiny_prepared.base_gguf)["bos"]
+    if bos is not None:
+        t[:, 0] = int(bos)
+    with pytest.raises(ValueError, match=rf"the model's logits have {n_vocab - 1} entries per "
+                       rf"position .* the tokenizer in {tiny_prepared.base_gguf.name} has "
+                       rf"{n_vocab} tokens; llama.cpp refuses such a file .* Make the tokenizer "
+                       r"and the embedding agree"):
+        llama_vs_torch(tiny_prepared.base_gguf, torch.zeros(*t.shape, n_vocab - 1), t)
+
+
 def test_too_few_positions_is_refused(tiny_prepared):
     with pytest.raises(ValueError, match="100"):
         llama_vs_torch(tiny_prepared.base_gguf, torch.zeros(1, 128, 49152),

@@ -207,6 +207,13 @@ def test_preflight_names_the_settings_the_converter_looked_for_and_did_not_find(
     assert converter_defaults(prep.base_gguf) == []
     res = preflight(load_hf_model(prep), prep.base_gguf, tokens)
     assert res["kld_mean"] < MAX_KLD and res["converter_defaults"] == []
+    # a setting config.json gives as null is not given either: llama.cpp uses its default
+    # (Gemma 4's final_logit_softcapping: null in config.json, 30.0 in llama.cpp)
+    null = _build("AfmoeForCausalLM", _AFMOE, {"config_json": {"route_norm": None}},
+                  tmp_path / "afmoe_null", 0)
+    assert json.loads((null / "config.json").read_text())["route_norm"] is None
+    prep = prepare_model(null, work_dir=tmp_path / "c3")
+    assert converter_defaults(prep.base_gguf) == ["route_norm"]
 
 
 def test_a_work_dir_holding_another_models_conversion_is_converted_again(tmp_path,

@@ -379,9 +379,12 @@ def llama_vs_torch(gguf_path: str | os.PathLike, model_or_logits, tokens: torch.
         tokens = _with_bos(tokens, vocab)
         logits = torch_logits(model_or_logits, tokens)
     if vocab["n_vocab"] is not None and logits.shape[-1] != vocab["n_vocab"]:
-        raise ValueError(f"the torch logits have {logits.shape[-1]} entries per position but "
-                         f"{gguf_path.name}'s vocabulary has {vocab['n_vocab']} tokens; the "
-                         "base-logits file must match llama.cpp's n_vocab")
+        raise ValueError(f"the model's logits have {logits.shape[-1]} entries per position "
+                         f"(its embedding/output rows: config.json's vocab_size) but the "
+                         f"tokenizer in {gguf_path.name} has {vocab['n_vocab']} tokens; llama.cpp "
+                         "refuses such a file (check_tensor_dims: token_embd.weight has wrong "
+                         "shape). Make the tokenizer and the embedding agree (tokens added to "
+                         "the tokenizer need the embedding resized, or remove them)")
     lp = torch.log_softmax(logits[:, n_ctx // 2:n_ctx - 1].float(), -1)     # (C, P, V)
     entropy = -(lp.exp() * lp).sum(-1).mean().item()
     del lp
@@ -512,8 +515,9 @@ def _defaults_hint(looked_for: list[str] | None) -> str:
     names = ", ".join(f"`{k}`" for k in looked_for[:12]) + (
         f" and {len(looked_for) - 12} more" if len(looked_for) > 12 else "")
     return (f" Settings this model's converter class looked for and config.json does not give "
-            f"(llama.cpp then uses its default for each, which need not be what transformers "
-            f"does): {names}. If the model as published names any of them in its config.json "
+            f"(absent, or null; llama.cpp then uses its default for each, which need not be "
+            f"what transformers does): {names}. If the model as published names any of them "
+            "in its config.json "
             "(a config.json that transformers wrote from its own class leaves out keys that "
             "class does not use), add it to config.json.")
 

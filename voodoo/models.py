@@ -762,9 +762,12 @@ def _miss(k):
     if owner.__module__ == f.f_globals.get("__name__") != "conversion.base":
         _missed.setdefault(k, None)
 
+def _given(h, k):   # a key config.json sets to null is not given either (llama.cpp's default)
+    return dict.__contains__(h, k) and dict.__getitem__(h, k) is not None
+
 class _Watched(dict):
     def get(self, k, *d):
-        if not dict.__contains__(self, k):
+        if not _given(self, k):
             _miss(k)
         return dict.get(self, k, *d)
 
@@ -782,7 +785,7 @@ def find_hparam(self, keys, optional=False):
     keys, found = list(keys), True
     _quiet[0] += 1
     try:
-        found = any(dict.__contains__(self.hparams, k) for k in keys)
+        found = any(_given(self.hparams, k) for k in keys)
         return _orig_find(self, keys, optional)
     finally:
         _quiet[0] -= 1
