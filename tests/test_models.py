@@ -196,7 +196,6 @@ def test_make_tiny_model_is_deterministic(tiny_model_dir, tmp_path):
     assert not np.array_equal(a["model.embed_tokens.weight"], c["model.embed_tokens.weight"])
 
 
-
 def test_a_checkpoint_missing_a_weight_is_refused(tiny_model_dir, tmp_path):
     """transformers initialises a weight the checkpoint lacks at random and only prints a
     report; Voodoo refuses it, naming the weight, before anything is quantized."""
