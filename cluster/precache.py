@@ -299,7 +299,7 @@ def precache_ray(jobs: Iterable, cache: CandidateCache, max_workers: int | None 
     inflight: dict[ray.ObjectRef, tuple[_Task, _Slot]] = {}
     failures: dict = {}
     nodes: Counter = Counter()
-    bar = _progress(len(todo), f"{_quantize_label(todo)} ({n_workers} Ray actors)", progress)
+    bar = _progress(todo, f"{_quantize_label(todo)} ({n_workers} Ray actors)", progress)
 
     def fail(task: _Task, slot: _Slot | None, err: str) -> None:
         job, key = todo[task.i]
@@ -313,7 +313,7 @@ def precache_ray(jobs: Iterable, cache: CandidateCache, max_workers: int | None 
             failures[(job.gguf_name, key.type_name)] = err
             release(key.weights_sha256)
             if bar is not None:
-                bar.update(1)
+                bar.done(task.i, f"{job.gguf_name} {key.type_name} (given up)")
         else:
             stats["retries"] += 1
             log.warning("retrying %s %s (attempt %d): %s", job.gguf_name, key.type_name,
@@ -387,8 +387,7 @@ def precache_ray(jobs: Iterable, cache: CandidateCache, max_workers: int | None 
                 nodes[meta.get("node_id", "?")] += 1
                 release(key.weights_sha256)
                 if bar is not None:
-                    bar.set_postfix_str(f"{job.gguf_name} {key.type_name}", refresh=False)
-                    bar.update(1)
+                    bar.done(task.i, f"{job.gguf_name} {key.type_name}")
                 if on_result is not None:
                     on_result(meta, [s.actor for s in slots if s.alive])
     finally:

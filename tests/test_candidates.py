@@ -299,3 +299,35 @@ def test_per_slice_imatrix_rules():
     assert res[("blk.0.attn_k_b.weight", "IQ4_NL")].rounding == "ggml"
     assert res[("x.weight", "IQ4_NL")].rounding.startswith("gptq:")
     assert [j.hessian is None for j, _ in todo] == [True, False]
+
+
+def test_quantize_bar_moves_with_the_work_not_the_count(capsys):
+    """The quantize bar advances by each candidate's estimated cost (libggml's IQ1_S takes
+    about 1,500 times Q8_0's time a weight; an error-feedback 32-block type's time grows with
+    the row's length), so a cheap first candidate no longer reads as half the work, and the
+    ETA of a run that starts with the slowest candidate is not hours off; the postfix still
+    counts candidates."""
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((64, 512)).astype(np.float32)
+    todo = [(C.CandidateJob("blk.0.ffn_up.weight", w, t, None), C.candidate_key(w, t, None))
+            for t in ("Q8_0", "IQ1_S")]
+    bar = C._progress(todo, "quantize", True)
+    bar.done(0, "blk.0.ffn_up.weight Q8_0")
+    assert bar.bar.n < 5 and "1/2" in bar.bar.postfix       # a count would say 50%
+    bar.done(1, "blk.0.ffn_up.weight IQ1_S")
+    assert bar.bar.n == pytest.approx(100) and "2/2" in bar.bar.postfix
+    bar.close()
+    # every type libggml quantizes has its own speed (a new type is not silently a guess)
+    from voodoo.quants import TYPES
+    quantizable = list(TYPES)
+    assert {"Q8_0", "IQ1_S", "Q4_K"} <= set(quantizable)
+    assert sorted(set(quantizable) - set(C.QUANTIZE_NS)) == []
+    # error-feedback rounding of a 32-block type costs more a weight on longer rows
+    h = np.eye(512, dtype=np.float32)
+    job = C.CandidateJob("blk.0.ffn_up.weight", w, "Q5_0", None, h)
+    short = C.CandidateJob("blk.0.ffn_up.weight", w.reshape(128, 256), "Q5_0", None, h[:256, :256])
+    key = C.candidate_key(w, "Q5_0", None, rounding=C.rounding_tag(h, "Q5_0"))
+    key_short = C.candidate_key(short.weights, "Q5_0", None,
+                                rounding=C.rounding_tag(h[:256, :256], "Q5_0"))
+    assert key.rounding != "ggml"
+    assert C.job_cost(job, key) > 1.5 * C.job_cost(short, key_short)

@@ -718,14 +718,71 @@ def _quantize_label(todo) -> str:
         else "quantize"
 
 
-def _progress(total: int, desc: str, enabled: bool):
-    if not enabled or total == 0:
+#: libggml's quantizer, nanoseconds a weight, by type (576 x 1536 float32 weights with an
+#: imatrix, 2 AVX2 cores, 2026-12-07). Only the quantize progress bar reads them, for its ETA;
+#: only their ratios matter, and a type not listed counts as 300.
+QUANTIZE_NS = {"F32": 2, "F16": 5, "BF16": 2, "Q8_0": 10, "MXFP4": 10, "Q5_0": 30,
+               "Q4_0": 60, "Q3_K": 50, "Q6_K": 65, "Q4_1": 170, "Q5_1": 200, "Q2_K": 180,
+               "Q5_K": 200, "Q4_K": 240, "IQ4_XS": 280, "IQ4_NL": 420, "IQ3_S": 800,
+               "IQ3_XXS": 810, "IQ2_XXS": 1850, "IQ2_XS": 4800, "IQ2_S": 7200,
+               "IQ1_M": 14000, "IQ1_S": 15000}
+#: error-feedback rounding, nanoseconds a weight per column of its row (the Hessian updates
+#: are row x column work; same machine): the 32-block types' columns and coordinate-descent
+#: sweeps (``COLUMN``: about 4 us a weight on 576-wide rows), the other types' blocks
+EF_NS_PER_COLUMN = {"COLUMN": 8.0, "BLOCKS": 0.25}
+
+
+def job_cost(job, key) -> float:
+    """Estimated cost of quantizing one candidate, in nanoseconds at the speed of
+    :data:`QUANTIZE_NS` (so a progress bar's ETA holds when one candidate takes 1,000 times
+    another: an IQ1_S against a Q8_0, a 49152-row embedding's error-feedback bytes against a
+    small tensor's). ``job``: a :class:`CandidateJob`; ``key``: its :class:`CandidateKey`."""
+    w = job.weights
+    n = int(np.prod(w.shape)) if hasattr(w, "shape") else 0
+    cols = int(w.shape[-1]) if hasattr(w, "shape") and len(w.shape) else 1
+    ns = QUANTIZE_NS.get(str(key.type_name).upper(), 300) * n
+    if key.rounding != "ggml":
+        from . import rounding as _r
+        kind = "COLUMN" if str(key.type_name).upper() in _r.COLUMN_TYPES else "BLOCKS"
+        ns += EF_NS_PER_COLUMN[kind] * n * cols
+    return max(1.0, ns)
+
+
+class _QuantizeBar:
+    """A tqdm bar over candidates to quantize, advanced by each one's :func:`job_cost` so its
+    percentage and ETA follow the time spent; the postfix counts candidates (``done/all``)
+    and names the last one."""
+
+    def __init__(self, todo, desc: str):
+        from tqdm import tqdm
+        self.costs = [job_cost(j, k) for j, k in todo]
+        self.n, self.done_n = len(todo), 0
+        scale = 100.0 / sum(self.costs)
+        self.costs = [c * scale for c in self.costs]
+        self.bar = tqdm(total=100.0, desc=desc, file=sys.stderr, dynamic_ncols=True,
+                        bar_format="{desc}: {percentage:3.0f}%|{bar}| "
+                                   "[{elapsed}<{remaining}{postfix}]")
+        self.bar.set_postfix_str(f"0/{self.n}", refresh=False)
+
+    def done(self, i: int, what: str = "") -> None:
+        """Candidate ``i`` (its index in ``todo``) is finished (or given up)."""
+        self.done_n += 1
+        self.bar.set_postfix_str(f"{self.done_n}/{self.n} {what}".rstrip(), refresh=False)
+        self.bar.update(min(self.costs[i], self.bar.total - self.bar.n))
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def _progress(todo, desc: str, enabled: bool):
+    """A :class:`_QuantizeBar` over ``todo`` (``[(CandidateJob, CandidateKey)]``), or None
+    when ``enabled`` is false, ``todo`` is empty or tqdm is missing."""
+    if not enabled or not todo:
         return None
     try:
-        from tqdm import tqdm
+        return _QuantizeBar(todo, desc)
     except ImportError:  # pragma: no cover
         return None
-    return tqdm(total=total, desc=desc, unit="cand", file=sys.stderr, dynamic_ncols=True)
 
 
 def precache_local(jobs: Iterable, cache: CandidateCache, progress: bool = True,
@@ -750,16 +807,14 @@ def precache_local(jobs: Iterable, cache: CandidateCache, progress: bool = True,
     """
     t0 = time.perf_counter()
     result, todo = plan_precache(jobs, cache, verify=verify)
-    bar = _progress(len(todo), _quantize_label(todo), progress)
+    bar = _progress(todo, _quantize_label(todo), progress)
     try:
-        for job, key in todo:
-            if bar is not None:
-                bar.set_postfix_str(f"{job.gguf_name} {key.type_name}", refresh=False)
+        for i, (job, key) in enumerate(todo):
             data = quantize_candidate(job.weights, key.type_name, job.imatrix_row,
                                       job.gguf_name, n_threads=n_threads, hessian=job.hessian)
             cache.put(key, data, job.gguf_name)
             if bar is not None:
-                bar.update(1)
+                bar.done(i, f"{job.gguf_name} {key.type_name}")
     finally:
         if bar is not None:
             bar.close()

@@ -67,10 +67,13 @@ def ray_local(_ray_session, monkeypatch):
     return ray
 
 
-def test_bytes_identical_to_local(ray_local, jobs, reference, tmp_path):
+def test_bytes_identical_to_local(ray_local, jobs, reference, tmp_path, capsys):
     cache = CandidateCache(tmp_path)
-    res = precache_ray(jobs, cache, progress=False)
+    res = precache_ray(jobs, cache, progress=True)
     assert (res.hits, res.misses, res.stats["workers"]) == (0, len(jobs), 2)
+    # the bar ends at 100% (weighted by each candidate's cost) and counts every candidate
+    err = capsys.readouterr().err
+    assert "100%" in err and f"{len(jobs)}/{len(jobs)}" in err
     _assert_same(res, cache, reference)
     # the files are those precache_local writes: same names
     assert {p.name for p in tmp_path.rglob("*.arrow")} == {
@@ -103,7 +106,7 @@ def test_killed_actor_still_completes(ray_local, jobs, reference, tmp_path):
     _assert_same(res, cache, reference)
 
 
-def test_task_errors_are_bounded(ray_local, jobs, tmp_path):
+def test_task_errors_are_bounded(ray_local, jobs, tmp_path, capsys):
     """A job whose task always raises (NaN weights: libggml refuses them) is retried
     max_retries times on other actors, then reported; the other jobs are cached."""
     name, w, _, _ = jobs[0]
@@ -113,7 +116,8 @@ def test_task_errors_are_bounded(ray_local, jobs, tmp_path):
            (name, w, "Q8_0", None)]
     cache = CandidateCache(tmp_path)
     with pytest.raises(PrecacheError) as ei:
-        precache_ray(sub, cache, progress=False, max_retries=1)
+        precache_ray(sub, cache, progress=True, max_retries=1)
+    assert "3/3" in capsys.readouterr().err   # the job given up is counted as done
     err = ei.value
     assert list(err.failures) == [("blk.9.ffn_down.weight", "Q8_0")]
     assert "NaN" in next(iter(err.failures.values()))
