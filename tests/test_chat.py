@@ -129,7 +129,9 @@ def test_server_answers_and_stops(tiny_voodoo_gguf):
                     {"prompt": "Hello", "max_tokens": 6, "temperature": 0})
         assert oai["object"] == "text_completion" and oai["choices"][0]["text"]
         pid = srv.proc.pid
+        assert srv.log.is_file()                # its own temporary log ...
     assert srv.proc.poll() is not None          # stopped on leaving the block
+    assert not srv.log.exists()                 # ... deleted with it (no litter in /tmp)
     with pytest.raises(OSError):
         urllib.request.urlopen(srv.url + "/health", timeout=2)
     assert pid
@@ -159,6 +161,11 @@ def test_voodoo_serve_answers_on_localhost_and_stops_by_itself(tiny_voodoo_gguf)
     assert p.returncode == 0, rest
     assert "stopped llama-server" in rest
     assert time.monotonic() - t0 < 160
+    # voodoo serve's log is the user's (its path is printed): kept; the test removes it
+    import tempfile
+    log = Path(tempfile.gettempdir()) / f"llama-server-{port}.log"
+    assert str(log) in first and log.is_file()
+    log.unlink()
 
 
 def test_eval_without_shared_text_measures_on_the_eval_split(tiny_voodoo_gguf, tiny_model_dir,
@@ -248,3 +255,25 @@ def test_a_voodoo_gguf_as_model_is_noted(tiny_voodoo_gguf, tiny_prepared, capsys
     assert f"--model {tiny_voodoo_gguf.name} is a file Voodoo wrote (from " in err, err
     _check_model_early(str(tiny_prepared.reference_gguf))
     assert "Voodoo wrote" not in capsys.readouterr().err
+
+
+def test_a_server_that_fails_to_start_keeps_its_log(tmp_path):
+    """A llama-server that exits before answering (here: a GGUF with no tensors) is reported
+    with its log's tail and path, and that log is kept for the user."""
+    _need("llama-server")
+    from gguf import GGUFWriter
+
+    from voodoo.chat import ChatError, LlamaServer
+    gguf = tmp_path / "empty.gguf"
+    w = GGUFWriter(str(gguf), "llama")
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    srv = LlamaServer(gguf, ctx=256)
+    with pytest.raises(ChatError, match="before answering") as ei:
+        srv.start(timeout=60)
+    assert f"log: {srv.log}" in str(ei.value) and srv.log.is_file()
+    srv.stop()
+    assert srv.log.is_file()
+    srv.log.unlink()

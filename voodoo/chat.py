@@ -179,7 +179,8 @@ class LlamaServer:
     ``start()`` returns once ``GET /health`` answers 200 (the model is loaded) or raises
     ChatError when the server exits or ``timeout`` seconds pass first (with its log's tail).
     ``stop()`` sends SIGTERM, waits up to 10 s, then SIGKILL. The server's output goes to
-    ``log`` (a file path; default a temporary file).
+    ``log`` (a file path; default a temporary file, deleted by ``stop()`` and kept, with its
+    path in the message, when the server fails to start).
 
     Args:
         gguf: the model file.
@@ -197,6 +198,7 @@ class LlamaServer:
         self.host, self.port = host, int(port) if port else free_port(host)
         self.ctx, self.threads = ctx, threads
         self.log = Path(log) if log else None
+        self._own_log = False
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -224,7 +226,7 @@ class LlamaServer:
         if self.log is None:
             fd, name = tempfile.mkstemp(prefix="llama-server.", suffix=".log")
             os.close(fd)
-            self.log = Path(name)
+            self.log, self._own_log = Path(name), True
         self._logf = open(self.log, "w")
         self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=self._logf,
                                      stderr=subprocess.STDOUT, env=tool_env(),
@@ -233,8 +235,10 @@ class LlamaServer:
         while True:
             if self.proc.poll() is not None:
                 self._close_log()
+                self._own_log = False   # kept for the user: its path is in the message
                 raise ChatError(f"llama-server exited (code {self.proc.returncode}) before "
-                                f"answering on {self.url}:\n{self._log_tail()}")
+                                f"answering on {self.url} (log: {self.log}):\n"
+                                f"{self._log_tail()}")
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
                     if r.status == 200:
@@ -242,9 +246,10 @@ class LlamaServer:
             except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
                 pass
             if time.monotonic() > deadline:
+                self._own_log = False
                 self.stop()
                 raise ChatError(f"llama-server did not answer on {self.url}/health within "
-                                f"{timeout} s:\n{self._log_tail()}")
+                                f"{timeout} s (log: {self.log}):\n{self._log_tail()}")
             time.sleep(0.25)
 
     def _log_tail(self) -> str:
@@ -272,6 +277,8 @@ class LlamaServer:
                 p.kill()
                 p.wait()
         self._close_log()
+        if self._own_log and self.log is not None:
+            self.log.unlink(missing_ok=True)
         return p.returncode
 
     def __enter__(self) -> "LlamaServer":

@@ -1037,9 +1037,10 @@ def _model_arg(a):
     recorded = _recorded_model(a)
     if recorded:
         asg = getattr(a, "assignment", None)
+        what = "file" if Path(recorded).is_file() else "folder"
         how = ("the model its --assignment names" if asg and Path(asg).is_file() else
-               "the last folder this machine's Voodoo cache saw with the weights the GGUF "
-               "was made from (same content hash)")
+               f"the last model {what} this machine's Voodoo cache saw with the weights the "
+               "GGUF was made from (same content hash)")
         log(f"--model not given: using {recorded}, {how}; --model to choose another")
         a.model = recorded
         return recorded
