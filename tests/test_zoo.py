@@ -216,6 +216,78 @@ def test_preflight_names_the_settings_the_converter_looked_for_and_did_not_find(
     assert converter_defaults(prep.base_gguf) == ["route_norm"]
 
 
+#: a tiny Solar Open (GQA, MoE with a shared expert): llama.cpp's converter class for it reads
+#: ``partial_rotary_factor`` from the rope parameters with a default of 0.5, transformers' with
+#: a default of 1.0
+_SOLAR = dict(model_type="solar_open", hidden_size=128, num_hidden_layers=2,
+              moe_intermediate_size=128, n_routed_experts=4, num_experts_per_tok=2,
+              n_shared_experts=1, n_group=1, topk_group=1, tie_word_embeddings=False,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+              vocab_size=49216)   # room for the two special tokens its converter looks up
+
+
+def test_preflight_names_a_rope_parameter_the_converter_looked_for(tmp_path, converter_ready):
+    """Settings the converter's class reads from transformers 5's ``rope_parameters`` (not
+    the top level) are named too, as ``rope_parameters.<key>``: Solar Open's config.json as
+    transformers writes it has no ``partial_rotary_factor`` there, the converter then rotates
+    half of each head and transformers all of it; the pre-flight stops it and names the key.
+    With the key in rope_parameters nothing is named. A lookup whose default is a dict (a
+    section: ``full_attention``) is never named."""
+    from transformers import AutoTokenizer
+
+    from voodoo.agreement import AgreementError, preflight
+    from voodoo.models import converter_defaults, load_hf_model, prepare_model
+    from zoo import _build
+
+    def build(name, **rope):
+        kw = {**_SOLAR, "rope_parameters": {"rope_theta": 1e6, "rope_type": "default", **rope}}
+        d = _build("SolarOpenForCausalLM", kw, {}, tmp_path / name, 0)
+        tok = AutoTokenizer.from_pretrained(d)   # the converter looks these two up by text
+        tok.add_special_tokens({"additional_special_tokens": ["<unk>", "<|startoftext|>"]})
+        tok.save_pretrained(d)
+        return prepare_model(d, work_dir=tmp_path / f"{name}-c")
+
+    prep = build("plain")
+    assert "rope_parameters.partial_rotary_factor" in converter_defaults(prep.base_gguf)
+    model = load_hf_model(prep)
+    with pytest.raises(AgreementError, match="skip_preflight") as ei:
+        preflight(model, prep.base_gguf, zoo_tokens(model.config.vocab_size, 2, 128))
+    assert "`rope_parameters.partial_rotary_factor`" in str(ei.value)
+    assert "full_attention" not in str(ei.value)
+    prep = build("named", partial_rotary_factor=1.0)
+    assert not any(k.startswith("rope_parameters.") for k in converter_defaults(prep.base_gguf))
+
+
+def test_a_load_failure_names_what_a_parent_converter_class_looked_for(tmp_path,
+                                                                      converter_ready):
+    """GLM-4.7-Flash's converter class inherits DeepSeek-V2's (another module), which reads
+    ``first_k_dense_replace``; transformers 5 writes ``mlp_layer_types`` instead, so the
+    converter marks no layer dense and llama.cpp cannot load the file. The load failure's
+    message names that key (a parent class's read counts), so the user knows what to add."""
+    from transformers import AutoTokenizer
+
+    from voodoo.agreement import LlamaCppLoadError, preflight
+    from voodoo.models import converter_defaults, load_hf_model, prepare_model
+    from zoo import _build
+    kw = dict(model_type="glm4_moe_lite", hidden_size=128, intermediate_size=256,
+              num_hidden_layers=2, moe_intermediate_size=128, n_routed_experts=4,
+              num_experts_per_tok=2, n_shared_experts=1, kv_lora_rank=64, q_lora_rank=64,
+              qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=32, num_attention_heads=4,
+              num_key_value_heads=4, n_group=1, topk_group=1,
+              mlp_layer_types=["dense", "sparse"], tie_word_embeddings=False, vocab_size=49216)
+    d = _build("Glm4MoeLiteForCausalLM", kw, {}, tmp_path / "glm", 0)
+    tok = AutoTokenizer.from_pretrained(d)   # the special tokens its converter looks up
+    tok.add_special_tokens({"additional_special_tokens": ["[gMASK]", "<|user|>",
+                                                         "<|observation|>"]})
+    tok.save_pretrained(d)
+    prep = prepare_model(d, work_dir=tmp_path / "c")
+    assert "first_k_dense_replace" in converter_defaults(prep.base_gguf)
+    model = load_hf_model(prep)
+    with pytest.raises(LlamaCppLoadError) as ei:
+        preflight(model, prep.base_gguf, zoo_tokens(model.config.vocab_size, 2, 128))
+    assert "`first_k_dense_replace`" in str(ei.value), str(ei.value)
+
+
 def test_a_work_dir_holding_another_models_conversion_is_converted_again(tmp_path,
                                                                          converter_ready):
     """prepare_model(work_dir=...) given a folder that holds another model's F32 GGUF converts

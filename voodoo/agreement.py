@@ -481,10 +481,10 @@ def preflight(hf_model: torch.nn.Module, f32_gguf: str | os.PathLike, tokens: to
             f"{_transformers_version()}; `gguf-dump {Path(f32_gguf)}` shows the metadata the "
             "converter wrote), not something a Voodoo flag changes (--skip_preflight neither: "
             "every later step runs llama.cpp on this file); use a configuration llama.cpp "
-            "supports, or a llama.cpp that runs it", e.reason, f32_gguf, e.crashed) from None
+            "supports, or a llama.cpp that runs it." + _defaults_hint(_looked_for(f32_gguf)),
+            e.reason, f32_gguf, e.crashed) from None
     res["max_kld"] = max_kld
-    from .models import converter_defaults
-    looked_for = converter_defaults(f32_gguf)
+    looked_for = _looked_for(f32_gguf)
     if looked_for is not None:
         res["converter_defaults"] = looked_for
     if not res["kld_mean"] <= max_kld:          # also catches nan
@@ -507,6 +507,11 @@ def preflight(hf_model: torch.nn.Module, f32_gguf: str | os.PathLike, tokens: to
     return res
 
 
+def _looked_for(f32_gguf) -> list[str] | None:
+    from .models import converter_defaults
+    return converter_defaults(f32_gguf)
+
+
 def _defaults_hint(looked_for: list[str] | None) -> str:
     """The pre-flight failure's line on the settings llama.cpp's converter looked for and did
     not find (:func:`voodoo.models.converter_defaults`); "" when there were none."""
@@ -519,7 +524,8 @@ def _defaults_hint(looked_for: list[str] | None) -> str:
             f"what transformers does): {names}. If the model as published names any of them "
             "in its config.json "
             "(a config.json that transformers wrote from its own class leaves out keys that "
-            "class does not use), add it to config.json.")
+            "class does not use), add it to config.json (`rope_parameters.<key>`: inside its "
+            "rope_parameters).")
 
 
 #: Tokens llama.cpp looks up by text for a model whose ``general.name`` contains "phi3" or

@@ -743,8 +743,9 @@ _base.ModelBase.load_hparams = staticmethod(load_hparams)
 # the settings the architecture's own converter class read with .get() or find_hparam() and
 # found nowhere (so it wrote llama.cpp's default, or nothing): printed as one line after a
 # conversion that succeeded, for convert_hf_to_f32_gguf. Left out: `key in hparams` tests
-# (format detection: an EAGLE draft's `draft_vocab_size`) and reads by code of another module
-# (conversion/base.py's generic probing: rope_scaling, text_config, ...; a parent class's).
+# (format detection: an EAGLE draft's `draft_vocab_size`) and reads by conversion/base.py's
+# generic probing (rope_scaling, text_config, ...); a parent class's reads in another
+# architecture's module count.
 _missed = {}
 _quiet = [0]
 
@@ -759,26 +760,40 @@ def _miss(k):
         return
     owner = f.f_locals.get("self", f.f_locals.get("cls"))
     owner = owner if isinstance(owner, type) else type(owner)
-    if owner.__module__ == f.f_globals.get("__name__") != "conversion.base":
+    mod = f.f_globals.get("__name__")
+    # the class's own module, or a parent's other than base (GLM-4.7-Flash's converter class
+    # inherits DeepSeek-V2's reads: its first_k_dense_replace)
+    if mod != "conversion.base" and (owner.__module__ == mod
+                                     or str(mod).startswith("conversion.")):
         _missed.setdefault(k, None)
 
 def _given(h, k):   # a key config.json sets to null is not given either (llama.cpp's default)
     return dict.__contains__(h, k) and dict.__getitem__(h, k) is not None
 
 class _Watched(dict):
+    _prefix = ""
     def get(self, k, *d):
-        if not _given(self, k):
-            _miss(k)
+        # a default that is a dict (often this very dict: `.get("full_attention", self)`) is
+        # a lookup of a section of the format, not of a setting
+        if not _given(self, k) and not (d and isinstance(d[0], dict)):
+            _miss(self._prefix + k if isinstance(k, str) else k)
         return dict.get(self, k, *d)
 
-def _get_hparams(self):
-    return self.__dict__.get("_voodoo_hparams")
+class _WatchedRope(_Watched):   # transformers 5's rope_parameters, as the converter holds it
+    _prefix = "rope_parameters."
 
-def _set_hparams(self, v):
-    self.__dict__["_voodoo_hparams"] = _Watched(v) if type(v) is dict else v
+def _watch(attr, cls):
+    def get(self):
+        return self.__dict__.get(attr)
+    def set(self, v):
+        self.__dict__[attr] = cls(v) if type(v) is dict else v
+    return property(get, set)
 
 if "hparams" not in vars(_base.ModelBase):   # (a converter whose class defines it: untouched)
-    _base.ModelBase.hparams = property(_get_hparams, _set_hparams)
+    _base.ModelBase.hparams = _watch("_voodoo_hparams", _Watched)
+if not any("rope_parameters" in vars(c) for c in (_base.ModelBase,
+                                                   getattr(_base, "TextModel", object))):
+    _base.ModelBase.rope_parameters = _watch("_voodoo_rope", _WatchedRope)
 _orig_find = getattr(_base.ModelBase, "find_hparam", None)
 
 def find_hparam(self, keys, optional=False):
