@@ -1732,3 +1732,25 @@ def test_output_name_drops_a_gguf_ending_in_any_case():
     assert _file_stem("my.model") == "my.model"
     with pytest.raises(argparse.ArgumentTypeError, match="not a plain file name"):
         _file_stem(".gguf")
+
+
+def test_a_read_only_cache_is_named_with_the_way_out(tmp_path, monkeypatch, capsys):
+    """A write the file system refuses (read-only: EROFS; no permission) in the Voodoo cache is
+    one line naming the cache and VOODOO_CACHE, not a bare errno; elsewhere, the folder and
+    --output_dir. (Root ignores chmod, so the refusal is raised where a write would be.)"""
+    import errno
+
+    from voodoo import cli
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("VOODOO_CACHE", str(cache))
+    where = {"file": cache / "candidates" / "Q5_1" / "ab.arrow"}
+
+    def refused(args):
+        raise OSError(errno.EROFS, "Read-only file system", str(where["file"]))
+    monkeypatch.setitem(cli.COMMANDS, "precache", (refused, "test"))
+    line = error_line(cli.main(["precache"]), capsys.readouterr().err, "precache")
+    assert f"in the Voodoo cache {cache}" in line and "VOODOO_CACHE=" in line, line
+    assert "Read-only file system" in line and "rerun the same command" in line
+    where["file"] = tmp_path / "out" / "x.json"
+    line = error_line(cli.main(["precache"]), capsys.readouterr().err, "precache")
+    assert "--output_dir" in line and "Voodoo cache" not in line and str(tmp_path / "out") in line

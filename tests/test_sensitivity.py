@@ -242,3 +242,21 @@ def test_bake_rejects_nan_logits():
     from voodoo.bake import bake
     with pytest.raises(ValueError, match="NaN"):
         bake({"a": [float("nan")] * 2}, {"a": ["Q8_0", "Q4_0"]}, {"a": [2, 1]}, 2)
+
+
+def test_a_full_cache_does_not_stop_the_fisher(tmp_path, monkeypatch, capsys):
+    """The Fisher diagonal is only cached: a cache that cannot take it (disk full, read-only)
+    costs a line, not the run (a tester's run stopped there with 19 MB free in its cache)."""
+    import errno
+
+    from voodoo import fsutil
+    from voodoo.sensitivity import load_or_compute_fisher
+
+    def full(path, data, *a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+    monkeypatch.setattr(fsutil, "atomic_write_bytes", full)
+    m = tiny_llama()
+    f = load_or_compute_fisher(m, SPECS, blocks(4), tmp_path, "tiny", progress=False)
+    assert set(f) == {s.gguf_name for s in SPECS}
+    assert "could not keep the Fisher diagonal in the cache" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())

@@ -3455,12 +3455,15 @@ def main(argv: list[str] | None = None) -> int:
         # bad input: one clear line, no traceback (VOODOO_DEBUG=1 shows it)
         if os.environ.get("VOODOO_DEBUG"):
             raise
-        from .fsutil import is_disk_full, no_space_message
-        if is_disk_full(e):   # any stage's write (Hessians, candidates, journal...)
+        from .fsutil import is_disk_full, no_space_message, not_writable_message
+        from .llamacpp import cache_root
+        ro = not_writable_message(e, (cache_root(), _flag_value(argv[1:], "--cache_dir")))
+        if ro is not None:    # a read-only cache or folder: which one, and the way out
+            e = ro
+        elif is_disk_full(e):   # any stage's write (Hessians, candidates, journal...)
             if getattr(e, "filename", None):
                 e = no_space_message(Path(e.filename).parent, str(e.filename))
             else:   # e.g. pyarrow's: the folders this command writes to, and what is free
-                from .llamacpp import cache_root
                 named = [_flag_value(argv[1:], f) for f in ("--output_dir", "--cache_dir")]
                 e = no_space_message(None, "", candidates=(
                     *[v for v in named if v], cache_root(), Path.cwd()))

@@ -177,3 +177,26 @@ def no_space_message(folder: str | os.PathLike | None, what: str, need: int | No
     return (where + "; nothing half-written was kept. Free some space (`voodoo doctor "
             "--prune_cache 30` deletes cache entries unused for 30 days) or write elsewhere "
             "(--output_dir, --cache_dir, VOODOO_CACHE), and rerun the same command")
+
+
+def not_writable_message(e: OSError, caches: tuple = ()) -> str | None:
+    """One line for a write refused by the file system (read-only: ``EROFS``; no permission:
+    ``EACCES``/``EPERM``) into a named file: which folder it is and how to write elsewhere.
+    ``caches``: the cache folders in use (``VOODOO_CACHE``'s, ``--cache_dir``); a file under
+    one of them is named as the cache's. None for other errors, or one that names no file."""
+    import errno
+    if not isinstance(e, OSError) or e.errno not in (errno.EROFS, errno.EACCES, errno.EPERM) \
+            or not getattr(e, "filename", None):
+        return None
+    f = Path(str(e.filename)).absolute()
+    cache = next((Path(c).absolute() for c in caches
+                  if c and (Path(c).absolute() == f or Path(c).absolute() in f.parents)), None)
+    why = e.strerror or str(e)
+    verb = "cannot write" if e.errno == errno.EROFS else "cannot read or write"
+    if cache is not None:
+        return (f"{verb} {f} ({why}): it is in the Voodoo cache {cache}, which every "
+                "run writes to; point it at a writable folder (VOODOO_CACHE=/path, or "
+                "--cache_dir for the candidates), or make it writable, and rerun the same "
+                "command")
+    return (f"{verb} {f} ({why}): pass a writable --output_dir (or make "
+            f"{f.parent} writable), and rerun the same command")

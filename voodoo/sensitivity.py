@@ -311,7 +311,8 @@ def load_or_compute_fisher(model: nn.Module, specs: Sequence, blocks: torch.Tens
                            ) -> dict[str, torch.Tensor]:
     """:func:`fisher_diagonal`, cached in ``cache_dir/fisher-<key>.pt`` (key: model id, the
     blocks' bytes, seed, ``reference_tag`` -- e.g. the teacher's kind). Written atomically; an
-    unreadable cache file is recomputed and replaced."""
+    unreadable cache file is recomputed and replaced; a cache that cannot be written (full,
+    read-only) gets a line, and the computed diagonal is returned all the same."""
     import io
 
     from .fsutil import atomic_write_bytes
@@ -332,7 +333,12 @@ def load_or_compute_fisher(model: nn.Module, specs: Sequence, blocks: torch.Tens
     fisher = fisher_diagonal(model, specs, blocks, seed=seed, progress=progress)
     buf = io.BytesIO()
     torch.save(fisher, buf)
-    atomic_write_bytes(path, buf.getvalue())
+    try:
+        atomic_write_bytes(path, buf.getvalue())
+    except OSError as e:   # a full or read-only cache: it is only a cache, the run goes on
+        from .progress import log
+        log(f"could not keep the Fisher diagonal in the cache ({cache_dir}: "
+            f"{e.strerror or e}); a rerun computes it again")
     return fisher
 
 
