@@ -1114,7 +1114,8 @@ def _provenance(a, assignment, prepared=None, specs=None, imatrix=None) -> dict:
     not its ``total_bytes``, which a hand edit leaves stale), the llama.cpp commit; with
     ``imatrix`` (the file the candidates were quantized with) the ``quantize.imatrix.*`` keys
     llama-quantize writes for it (:func:`voodoo.imatrix.quantize_imatrix_kv`), by which
-    llama.cpp users and the Hub tell an imatrix quant."""
+    llama.cpp users and the Hub tell an imatrix quant; ``quantize.imatrix.file`` holds the
+    file's name, not its path, so the same run in another folder writes the same bytes."""
     from .export import record_model
     from .llamacpp import llama_cpp_commit
     if prepared is None:
@@ -1137,7 +1138,7 @@ def _provenance(a, assignment, prepared=None, specs=None, imatrix=None) -> dict:
     if imatrix is not None:
         from .imatrix import ImatrixError, quantize_imatrix_kv
         try:
-            kv.update(quantize_imatrix_kv(imatrix))
+            kv.update(quantize_imatrix_kv(imatrix, recorded=Path(imatrix).name))
         except (ImatrixError, OSError) as e:  # the candidates are made: no reason to stop
             log(f"the GGUF names no imatrix (no quantize.imatrix.* keys): {e}")
     return kv
