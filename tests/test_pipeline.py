@@ -607,3 +607,33 @@ def test_a_re_export_names_the_report_it_makes_stale(tmp_path):
     assert _stale_report_note(gguf) == ""
     report.write_text("{not json")
     assert _stale_report_note(gguf) == ""
+
+
+def test_a_full_run_folder_stops_before_the_imatrix_is_computed_again(tmp_path, monkeypatch):
+    """The cache holds the imatrix, and the run folder has no room for it: that is said at
+    once, naming the file, instead of computing the imatrix anew (a minute for SmolLM2) only to
+    fail writing it to the same full folder."""
+    import errno
+
+    from voodoo import pipeline
+    from voodoo.imatrix import write_imatrix_gguf
+    monkeypatch.setenv("VOODOO_CACHE", str(tmp_path / "cache"))
+    names = ("blk.0.attn_q.weight",)
+    made = write_imatrix_gguf(tmp_path / "a" / "imatrix.gguf",
+                              {n: np.ones((1, 8), np.float32) for n in names},
+                              {n: np.array([64]) for n in names}, datasets=["t"],
+                              chunk_count=1, chunk_size=8)
+    inputs = {"model": "m", "tokens": "t" * 64}
+    pipeline.shared_imatrix(made, inputs, keep=True)
+    full = tmp_path / "b" / "imatrix.gguf"
+    full.parent.mkdir()
+
+    def no_room(src, dst):
+        raise OSError(errno.ENOSPC, "No space left on device", str(dst))
+    monkeypatch.setattr(pipeline, "_link_or_copy", no_room)
+    with pytest.raises(OSError) as ei:
+        pipeline.shared_imatrix(full, inputs)
+    assert ei.value.errno == errno.ENOSPC and ei.value.filename == str(full)
+    monkeypatch.undo()
+    monkeypatch.setenv("VOODOO_CACHE", str(tmp_path / "cache"))
+    assert pipeline.shared_imatrix(full, inputs) is not None and full.is_file()

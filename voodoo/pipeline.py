@@ -480,7 +480,9 @@ def shared_imatrix(path, inputs: dict, keep: bool = False) -> Path | None:
     for SmolLM2 on 2 cores; llama-imatrix's minutes for a larger model). ``keep=False``: when
     the cache has a readable one, it is placed at ``path`` (a hard link where the file systems
     allow) and returned; else None. ``keep=True``: ``path`` (just computed) is put in the cache
-    (a read-only or full cache costs only the reuse). Never raises OSError."""
+    (a read-only or full cache costs only the reuse). Raises OSError (ENOSPC, naming
+    ``path``) only when the run folder has no room for the cache's copy: computing it anew
+    would fail there too."""
     from .imatrix import read_imatrix
     want = json.dumps({**{k: v for k, v in inputs.items() if k != "sha256"},
                        "imatrix_version": 1}, sort_keys=True)
@@ -502,7 +504,11 @@ def shared_imatrix(path, inputs: dict, keep: bool = False) -> Path | None:
             raise ValueError("its bytes changed since it was kept")
         read_imatrix(shared)
         _link_or_copy(shared, path)
-    except (OSError, ValueError) as e:  # damaged, or the run folder is full: computed anew
+    except (OSError, ValueError) as e:  # damaged: computed anew
+        from .fsutil import is_disk_full
+        if is_disk_full(e):   # the run folder is full: computing it would fail there too
+            import errno
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path)) from e
         log(f"the cache's imatrix {shared} could not be used ({e}); computing it")
         return None
     log(f"imatrix: taken from the cache ({shared}), made from the same model and calibration "
