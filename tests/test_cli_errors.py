@@ -1049,6 +1049,12 @@ def test_a_run_folder_in_use_is_refused(tiny_fixed, tmp_path, monkeypatch):  # n
         assert "--output_dir" in line
         assert not (out / "data").exists()
         monkeypatch.undo()
+        # `voodoo precache` too (two made every candidate twice, at half the speed each)
+        rc, _, err = run_cli(["precache", "--model", str(tiny_fixed), "--output_dir", str(out),
+                              "--seq_len", "64", "--n_train_blocks", "4", "--no_ray"])
+        line = error_line(rc, err, "precache")
+        assert f"{out} is in use by another Voodoo run" in line and str(holder.pid) in line
+        assert not (out / "data").exists()
         # `voodoo data` into that folder too (it rewrote data/ under a running train)
         rc, _, err = run_cli(["data", "--model", str(tiny_fixed), "--output_dir", str(out),
                               "--seq_len", "64", "--n_train_blocks", "4"])

@@ -2441,9 +2441,15 @@ def _precache(argv):
     _menu_flags(ap)
     a = _parse_keeping_run_data(ap, argv)
     _check_ray_address(a)
+    if a.output_dir:  # a folder in use is refused before the model is converted and loaded
+        holder = _run_folder_holder(Path(a.output_dir))
+        if holder is not None:
+            raise _in_use(a.output_dir, holder)
     r = Run(a)
     r.context()
     _default_rounding(a, r.ctx.specs)
+    # a second precache (or a run) on the same folder would make the same candidates twice
+    _lock_run_folder(r.out, "precache")
     if a.imatrix is None:
         r.data()
     r.imatrix()
