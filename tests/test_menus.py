@@ -50,3 +50,19 @@ def test_imatrix_safe_menus():
     assert dropped == {"token_embd.weight": ["IQ2_XXS", "IQ1_S"]}
     out, dropped = imatrix_safe_menus(menus, None)                    # no imatrix at all
     assert out["blk.0.ffn_down.weight"] == ["Q8_0"] and out["output.weight"] == ["Q8_0"]
+
+
+def test_a_misspelt_type_name_gets_the_near_one():
+    """``iq4xs`` or ``Q4-K`` (the same letters without, or with other, separators) are named
+    with the type meant; any case is accepted as it is; a type that is no near spelling of one
+    gets the list only."""
+    import pytest
+
+    from voodoo.quants import qtype
+    assert qtype("q4_k").name == "Q4_K"
+    for typo, meant in (("iq4xs", "IQ4_XS"), ("Q4-K", "Q4_K"), ("iq2 xxs", "IQ2_XXS")):
+        with pytest.raises(ValueError, match=rf"did you mean {meant}\?"):
+            qtype(typo)
+    with pytest.raises(ValueError) as ei:
+        qtype("Q9_K")
+    assert "did you mean" not in str(ei.value) and "supported: " in str(ei.value)

@@ -94,9 +94,18 @@ def qtype(t) -> QuantType:
         t = GGMLQuantizationType(t).name
     key = str(t).strip().upper()
     if key not in TYPES:
-        raise ValueError(f"unknown or unsupported ggml type {t!r}; supported: "
-                         f"{', '.join(TYPES)}")
+        raise ValueError(f"unknown or unsupported ggml type {t!r}{_did_you_mean(key)}; "
+                         f"supported: {', '.join(TYPES)}")
     return TYPES[key]
+
+
+def _did_you_mean(key: str) -> str:
+    """`` (did you mean IQ4_XS?)`` for a type name that differs from a known one only in
+    underscores, dashes, dots or spaces (``iq4xs``, ``Q4-K``), else ""."""
+    import re
+    squash = re.sub(r"[^0-9A-Z]", "", key)
+    near = [n for n in TYPES if re.sub(r"[^0-9A-Z]", "", n) == squash]
+    return f" (did you mean {near[0]}?)" if squash and len(near) == 1 else ""
 
 
 #: ``tensor_type_fallback`` in llama.cpp ``src/llama-quant.cpp``: a 256-block type whose row
