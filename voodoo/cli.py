@@ -447,7 +447,11 @@ def _budget_flags(ap):
     ap.add_argument("--size_weight", type=_nonnegative_float, default=100.0,
                     help="weight of the quadratic size penalty outside the dead zone")
     ap.add_argument("--tensor_upgrades", default=None,
-                    help='JSON list of {"pattern": regex, "levels": int} (or a file)')
+                    help='JSON list of {"pattern": regex, "levels": int} (or a file): every '
+                         'tensor whose GGUF name the regex finds moves that many rungs up its '
+                         'menu from its trained type (negative: down), stopping at the menu\'s '
+                         'ends; the last matching rule decides; the size repair keeps them '
+                         'there unless the budget cannot be met otherwise')
 
 
 def _train_flags(ap):
