@@ -288,6 +288,25 @@ def test_a_load_failure_names_what_a_parent_converter_class_looked_for(tmp_path,
     assert "`first_k_dense_replace`" in str(ei.value), str(ei.value)
 
 
+def test_a_byte_level_bpe_for_a_sentencepiece_family_is_named(tmp_path, converter_ready):
+    """Jamba's converter reads its tokenizer as SentencePiece (a tokenizer.model, or a
+    byte-fallback BPE tokenizer.json); given SmolLM2's byte-level BPE it fails with "Cannot
+    find Llama BPE tokenizer". The message says what the converter wanted and what the folder
+    holds, not only "copy the tokenizer files", which are there."""
+    from voodoo.models import ModelPreparationError, prepare_model
+    from zoo import _build
+    kw = dict(model_type="jamba", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, attn_layer_period=2,
+              attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1, num_experts=2,
+              num_experts_per_tok=1, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2,
+              mamba_dt_rank=8, use_mamba_kernels=False, tie_word_embeddings=False)
+    d = _build("JambaForCausalLM", kw, {}, tmp_path / "jamba", 0)
+    with pytest.raises(ModelPreparationError) as ei:
+        prepare_model(d, work_dir=tmp_path / "c")
+    msg = str(ei.value)
+    assert "BPE model with byte_fallback false" in msg and "tokenizer.model" in msg, msg
+
+
 def test_a_work_dir_holding_another_models_conversion_is_converted_again(tmp_path,
                                                                          converter_ready):
     """prepare_model(work_dir=...) given a folder that holds another model's F32 GGUF converts

@@ -991,6 +991,16 @@ def _converter_tokenizer_class(hf_dir: Path) -> str | None:
     return None
 
 
+def _tokenizer_json_model(hf_dir: Path) -> tuple[str, bool] | None:
+    """``(model type, byte_fallback)`` of ``hf_dir/tokenizer.json`` (``("BPE", False)`` for a
+    byte-level BPE), or None when there is no readable one."""
+    try:
+        m = json.loads((hf_dir / "tokenizer.json").read_text(encoding="utf-8"))["model"]
+        return str(m.get("type")), bool(m.get("byte_fallback", False))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
 def _converter_reason(hf_dir: Path, log: str) -> str:
     lines = [ln for ln in log.splitlines() if ln.strip()]
     tail = "\n".join(lines[-12:])
@@ -1012,7 +1022,16 @@ def _converter_reason(hf_dir: Path, log: str) -> str:
                    r"tokenizer|^FileNotFoundError:.*tokenizer[^/\\]*$|Missing \S*tokenizer\.model"
                    r"|has no attribute '?mergeable_ranks", final, re.M):
         cls = _converter_tokenizer_class(hf_dir)
-        if cls and (hf_dir / "tokenizer.json").is_file() and "tokenizer.model" in final:
+        tj = _tokenizer_json_model(hf_dir)
+        if tj is not None and "Cannot find Llama BPE tokenizer" in final:
+            kind, fallback = tj
+            why = ("llama.cpp's converter reads this family's tokenizer as SentencePiece: a "
+                   "tokenizer.model, or a tokenizer.json whose model is BPE with byte_fallback "
+                   f"(Llama 2's kind); {hf_dir / 'tokenizer.json'} holds a {kind} model with "
+                   f"byte_fallback {str(bool(fallback)).lower()} and there is no "
+                   "tokenizer.model: copy the model's original tokenizer.model beside "
+                   "config.json")
+        elif cls and (hf_dir / "tokenizer.json").is_file() and "tokenizer.model" in final:
             why = ("llama.cpp's converter reads this family's tokenizer as SentencePiece "
                    "(tokenizer.model) unless tokenizer_config.json's \"tokenizer_class\" is "
                    f"{cls!r} (its converter class says so); this folder holds a BPE "
