@@ -323,9 +323,10 @@ def quantize_imatrix_kv(path: str | os.PathLike, recorded: str | None = None) ->
     (``tools/quantize/quantize.cpp``, ``main``): ``file`` (the path as given, or ``recorded``
     in its place, at most 127 characters), ``dataset`` (the first of the file's
     ``imatrix.datasets``, at most 127; absent when it has none), ``entries_count`` (the
-    number of tensors it holds) and ``chunks_count`` (its chunk count; absent when 0). The counts are ``np.uint32``: llama.cpp writes integer
-    overrides as UINT32 (``llama_model_quantize_impl``, ``src/llama-quant.cpp``). Raises
-    ImatrixError when the file cannot be read."""
+    number of tensors it holds) and ``chunks_count`` (its chunk count; absent when 0). The
+    counts are ``np.uint32``: llama.cpp writes integer overrides as UINT32
+    (``llama_model_quantize_impl``, ``src/llama-quant.cpp``). Raises ImatrixError when the
+    file cannot be read."""
     from .export import QUANTIZE_IMATRIX_PREFIX
     raw = read_imatrix_raw(path)
     kv: dict = {QUANTIZE_IMATRIX_PREFIX + "file":
