@@ -205,7 +205,8 @@ def test_a_killed_driver_leaves_no_llama_server(tiny_voodoo_gguf, tmp_path):
     from voodoo.chat import LlamaServer, port_in_use
     pidfile = tmp_path / "server.pid"
     code = ("import sys, time\nfrom voodoo.chat import LlamaServer\n"
-            f"srv = LlamaServer({str(tiny_voodoo_gguf)!r}, ctx=256).start()\n"
+            f"srv = LlamaServer({str(tiny_voodoo_gguf)!r}, ctx=256, "
+            f"log={str(tmp_path / 'server.log')!r}).start()\n"   # kill -9: nobody deletes it
             f"open({str(pidfile)!r}, 'w').write(f'{{srv.proc.pid}} {{srv.port}}')\n"
             "time.sleep(600)\n")
     driver = subprocess.Popen([sys.executable, "-c", code])
