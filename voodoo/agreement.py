@@ -453,6 +453,7 @@ def preflight(hf_model: torch.nn.Module, f32_gguf: str | os.PathLike, tokens: to
         and what :func:`llama_vs_torch` raises.
     """
     from .export import dequantized_copy
+    from .models import converter_defaults
     try:
         res = llama_vs_torch(dequantized_copy(f32_gguf), hf_model, tokens, **kwargs)
     except LlamaCppLoadError as e:
@@ -481,10 +482,10 @@ def preflight(hf_model: torch.nn.Module, f32_gguf: str | os.PathLike, tokens: to
             f"{_transformers_version()}; `gguf-dump {Path(f32_gguf)}` shows the metadata the "
             "converter wrote), not something a Voodoo flag changes (--skip_preflight neither: "
             "every later step runs llama.cpp on this file); use a configuration llama.cpp "
-            "supports, or a llama.cpp that runs it." + _defaults_hint(_looked_for(f32_gguf)),
+            "supports, or a llama.cpp that runs it." + _defaults_hint(converter_defaults(f32_gguf)),
             e.reason, f32_gguf, e.crashed) from None
     res["max_kld"] = max_kld
-    looked_for = _looked_for(f32_gguf)
+    looked_for = converter_defaults(f32_gguf)
     if looked_for is not None:
         res["converter_defaults"] = looked_for
     if not res["kld_mean"] <= max_kld:          # also catches nan
@@ -505,11 +506,6 @@ def preflight(hf_model: torch.nn.Module, f32_gguf: str | os.PathLike, tokens: to
             f"chunks longer than it: these are the training length, --seq_len {res['n_ctx']}); "
             "to go on anyway, pass --skip_preflight." + _defaults_hint(looked_for), res)
     return res
-
-
-def _looked_for(f32_gguf) -> list[str] | None:
-    from .models import converter_defaults
-    return converter_defaults(f32_gguf)
 
 
 def _defaults_hint(looked_for: list[str] | None) -> str:

@@ -742,8 +742,7 @@ def job_cost(job, key) -> float:
     cols = int(w.shape[-1]) if hasattr(w, "shape") and len(w.shape) else 1
     ns = QUANTIZE_NS.get(str(key.type_name).upper(), 300) * n
     if key.rounding != "ggml":
-        from . import rounding as _r
-        kind = "COLUMN" if str(key.type_name).upper() in _r.COLUMN_TYPES else "BLOCKS"
+        kind = "COLUMN" if str(key.type_name).upper() in _rounding.COLUMN_TYPES else "BLOCKS"
         ns += EF_NS_PER_COLUMN[kind] * n * cols
     return max(1.0, ns)
 
